@@ -1,0 +1,161 @@
+#include "ptc/parallel_config.h"
+
+#include <charconv>
+#include <numeric>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "ptc/status_macros.h"
+
+namespace scalai {
+namespace {
+
+constexpr absl::string_view kExpected =
+    "expected tp=N,pp=N,dp=N[,stages=A:B:...]";
+
+absl::Status ConfigError(absl::string_view text, absl::string_view why) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("config \"", text, "\": ", why, " (", kExpected, ")"));
+}
+
+// A positive decimal integer, nothing else (no sign, no spaces, no hex).
+absl::StatusOr<int64_t> ParsePositive(absl::string_view text,
+                                      absl::string_view key,
+                                      absl::string_view value) {
+  int64_t out = 0;
+  auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), out);
+  if (value.empty() || ec != std::errc() || end != value.data() + value.size()) {
+    return ConfigError(text, absl::StrCat(key, "=", value, " is not a number"));
+  }
+  if (out <= 0) {
+    return ConfigError(text, absl::StrCat(key, "=", value, " must be at least 1"));
+  }
+  if (out > ParallelConfig::kMaxWorldSize) {
+    return ConfigError(text, absl::StrCat(key, "=", value, " is too large"));
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
+  absl::string_view text = absl::StripAsciiWhitespace(raw);
+  if (text.empty()) return ConfigError(text, "empty");
+  int64_t degrees[3] = {0, 0, 0};  // tp, pp, dp
+  constexpr absl::string_view kNames[3] = {"tp", "pp", "dp"};
+  std::vector<int64_t> stages;
+  bool have_stages = false;
+  for (absl::string_view item : absl::StrSplit(text, ',')) {
+    std::pair<absl::string_view, absl::string_view> kv =
+        absl::StrSplit(item, absl::MaxSplits('=', 1));
+    auto [key, value] = kv;
+    if (item.find('=') == absl::string_view::npos) {
+      return ConfigError(text, absl::StrCat("\"", item, "\" is not key=value"));
+    }
+    if (key == "stages") {
+      if (have_stages) return ConfigError(text, "stages given twice");
+      have_stages = true;
+      for (absl::string_view layers : absl::StrSplit(value, ':')) {
+        ASSIGN_OR_RETURN(int64_t n, ParsePositive(text, "stages", layers));
+        stages.push_back(n);
+      }
+      continue;
+    }
+    int index = -1;
+    for (int i = 0; i < 3; ++i) {
+      if (key == kNames[i]) index = i;
+    }
+    if (index < 0) {
+      return ConfigError(text, absl::StrCat("unknown key \"", key, "\""));
+    }
+    if (degrees[index] != 0) {
+      return ConfigError(text, absl::StrCat(key, " given twice"));
+    }
+    ASSIGN_OR_RETURN(degrees[index], ParsePositive(text, key, value));
+  }
+  for (int i = 0; i < 3; ++i) {
+    if (degrees[i] == 0) {
+      return ConfigError(text, absl::StrCat("missing ", kNames[i], "="));
+    }
+  }
+  auto config = Create(static_cast<int>(degrees[0]), static_cast<int>(degrees[1]),
+                       static_cast<int>(degrees[2]), std::move(stages));
+  if (!config.ok()) return ConfigError(text, config.status().message());
+  return config;
+}
+
+absl::StatusOr<ParallelConfig> ParallelConfig::Create(
+    int tp, int pp, int dp, std::vector<int64_t> stages) {
+  if (tp < 1 || pp < 1 || dp < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "degrees must be at least 1, got tp=", tp, ",pp=", pp, ",dp=", dp));
+  }
+  int64_t world = int64_t{tp} * pp * dp;
+  if (world > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "world size tp*pp*dp = ", world, " exceeds ", kMaxWorldSize));
+  }
+  if (!stages.empty() && static_cast<int64_t>(stages.size()) != pp) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stages lists ", stages.size(), " stages but pp=", pp));
+  }
+  for (int64_t layers : stages) {
+    if (layers < 1) {
+      return absl::InvalidArgumentError("every stage needs at least 1 layer");
+    }
+  }
+  ParallelConfig config;
+  config.tp_ = tp;
+  config.pp_ = pp;
+  config.dp_ = dp;
+  config.stages_ = std::move(stages);
+  return config;
+}
+
+RankCoords ParallelConfig::Coords(int rank) const {
+  RankCoords c;
+  c.tp_rank = rank % tp_;
+  c.dp_rank = (rank / tp_) % dp_;
+  c.pp_rank = rank / (tp_ * dp_);
+  return c;
+}
+
+int ParallelConfig::Rank(const RankCoords& c) const {
+  return (c.pp_rank * dp_ + c.dp_rank) * tp_ + c.tp_rank;
+}
+
+int ParallelConfig::ShardGroup(int rank) const {
+  RankCoords c = Coords(rank);
+  return c.pp_rank * tp_ + c.tp_rank;
+}
+
+absl::StatusOr<std::vector<int64_t>> ParallelConfig::LayersPerStage(
+    int64_t num_layers) const {
+  if (!stages_.empty()) {
+    int64_t sum = std::accumulate(stages_.begin(), stages_.end(), int64_t{0});
+    if (sum != num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("stages=", absl::StrJoin(stages_, ":"), " sum to ", sum,
+                       " layers but the model has ", num_layers));
+    }
+    return stages_;
+  }
+  if (pp_ > num_layers && pp_ > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pp=", pp_, " needs at least ", pp_, " layers but the model has ",
+        num_layers));
+  }
+  std::vector<int64_t> layers(pp_, num_layers / pp_);
+  for (int64_t s = 0; s < num_layers % pp_; ++s) ++layers[s];
+  return layers;
+}
+
+std::string ParallelConfig::ToString() const {
+  std::string out = absl::StrCat("tp=", tp_, ",pp=", pp_, ",dp=", dp_);
+  if (!stages_.empty()) absl::StrAppend(&out, ",stages=", absl::StrJoin(stages_, ":"));
+  return out;
+}
+
+}  // namespace scalai

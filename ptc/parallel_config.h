@@ -1,0 +1,77 @@
+// A ParallelConfig is a job's tensor/pipeline/data parallel degrees, with an
+// optional explicit split of layers over pipeline stages. Ranks are numbered in
+// Megatron order: tp varies fastest, then dp, then pp.
+//
+//   ASSIGN_OR_RETURN(ParallelConfig c, ParallelConfig::Parse("tp=2,pp=2,dp=4"));
+//   RankCoords rc = c.Coords(5);   // {tp_rank 1, dp_rank 2, pp_rank 0}
+//   ASSIGN_OR_RETURN(std::vector<int64_t> layers, c.LayersPerStage(24));
+#ifndef SCALAI_PTC_PARALLEL_CONFIG_H_
+#define SCALAI_PTC_PARALLEL_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace scalai {
+
+struct RankCoords {
+  int tp_rank = 0;
+  int dp_rank = 0;
+  int pp_rank = 0;
+  friend bool operator==(const RankCoords&, const RankCoords&) = default;
+};
+
+class ParallelConfig {
+ public:
+  // The largest degree and world size accepted; far beyond any real job, small
+  // enough that rank arithmetic never overflows an int.
+  static constexpr int64_t kMaxWorldSize = int64_t{1} << 24;
+
+  // Parses "tp=2,pp=4,dp=8" or "tp=2,pp=4,dp=8,stages=6:6:6:6". Keys may come in
+  // any order; tp, pp and dp are required. Surrounding whitespace (the newline
+  // of `echo`) is ignored.
+  static absl::StatusOr<ParallelConfig> Parse(absl::string_view text);
+
+  // Builds and validates a config from degrees; `stages` may be empty.
+  static absl::StatusOr<ParallelConfig> Create(int tp, int pp, int dp,
+                                               std::vector<int64_t> stages = {});
+
+  int tp() const { return tp_; }
+  int pp() const { return pp_; }
+  int dp() const { return dp_; }
+  int world_size() const { return tp_ * pp_ * dp_; }
+  // Explicit layers per stage, or empty for the default split.
+  const std::vector<int64_t>& stages() const { return stages_; }
+
+  RankCoords Coords(int rank) const;
+  int Rank(const RankCoords& coords) const;
+
+  // Ranks with the same (tp_rank, pp_rank) hold the same model shard; this
+  // numbers those groups 0..tp*pp-1 as pp_rank * tp + tp_rank.
+  int ShardGroup(int rank) const;
+  int num_shard_groups() const { return tp_ * pp_; }
+
+  // Layers held by each pipeline stage for a model of `num_layers` layers:
+  // the explicit stages when given (checked against num_layers), else as even
+  // as possible with earlier stages taking the remainder.
+  absl::StatusOr<std::vector<int64_t>> LayersPerStage(int64_t num_layers) const;
+
+  // "tp=2,pp=4,dp=8" (with ",stages=..." when explicit).
+  std::string ToString() const;
+
+  friend bool operator==(const ParallelConfig&,
+                         const ParallelConfig&) = default;
+
+ private:
+  int tp_ = 1;
+  int pp_ = 1;
+  int dp_ = 1;
+  std::vector<int64_t> stages_;
+};
+
+}  // namespace scalai
+
+#endif  // SCALAI_PTC_PARALLEL_CONFIG_H_

@@ -1,0 +1,80 @@
+// A Placement says, for a model, a layout and a parallel config, which box of
+// which global tensor every rank holds and under which local name and shape.
+// Ranks with the same (tp_rank, pp_rank) hold identical shards, so shards are
+// kept per shard group (ParallelConfig::ShardGroup), not per rank.
+//
+//   ASSIGN_OR_RETURN(Placement p, Placement::Create(layout, model, config));
+//   for (const TensorShard& s : p.shards(config.ShardGroup(rank))) ...
+//   // s.local_name, s.local_shape, s.pieces (local box <- global box)
+#ifndef SCALAI_PTC_PLACEMENT_H_
+#define SCALAI_PTC_PLACEMENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "ptc/box.h"
+#include "ptc/layout.h"
+#include "ptc/model.h"
+#include "ptc/parallel_config.h"
+
+namespace scalai {
+
+// One contiguous part of a local tensor: `local` holds the elements of the
+// global tensor in `global` (same shape), or zeros for vocab padding.
+struct ShardPiece {
+  Box local;
+  Box global;  // meaningless when zero_fill
+  bool zero_fill = false;
+};
+
+// One tensor as one rank holds it.
+struct TensorShard {
+  int tensor = 0;  // index in the model
+  std::string local_name;
+  Shape local_shape;
+  int split_dim = -1;  // -1 when every rank holds the whole tensor
+  // Ordered by local position along split_dim; together they tile the local
+  // tensor exactly once.
+  std::vector<ShardPiece> pieces;
+  int64_t bytes = 0;
+};
+
+class Placement {
+ public:
+  // Refuses a config the layout cannot serve (a split dimension or block not
+  // divisible by tp, stages that do not fit the layers) naming the tensor or
+  // value at fault.
+  static absl::StatusOr<Placement> Create(const Layout& layout,
+                                          std::shared_ptr<const Model> model,
+                                          const ParallelConfig& config);
+
+  const ParallelConfig& config() const { return config_; }
+  const Model& model() const { return *model_; }
+  int num_groups() const { return config_.num_shard_groups(); }
+  int64_t num_layers() const { return num_layers_; }
+  const std::vector<int64_t>& layers_per_stage() const { return layers_per_stage_; }
+
+  // The shards of a shard group, in model order.
+  const std::vector<TensorShard>& shards(int group) const { return groups_[group].shards; }
+  // The index in shards(group) of the model's tensor `tensor`, or -1.
+  int ShardIndex(int group, int tensor) const;
+  int64_t group_bytes(int group) const { return groups_[group].bytes; }
+
+ private:
+  struct Group {
+    std::vector<TensorShard> shards;
+    int64_t bytes = 0;
+  };
+  ParallelConfig config_;
+  std::shared_ptr<const Model> model_;
+  int64_t num_layers_ = 0;
+  std::vector<int64_t> layers_per_stage_;
+  std::vector<Group> groups_;
+};
+
+}  // namespace scalai
+
+#endif  // SCALAI_PTC_PLACEMENT_H_

@@ -1,0 +1,315 @@
+#include "ptc/reshard_plan.h"
+
+#include <algorithm>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "ptc/checked_math.h"
+#include "ptc/status_macros.h"
+
+namespace scalai {
+namespace {
+
+// A stretch of a tensor along its split dimension that the old shards hold,
+// with every shard piece holding exactly that stretch.
+struct SourceInterval {
+  int64_t begin = 0;
+  int64_t end = 0;
+  struct Holder {
+    ShardRef shard;
+    int piece = 0;
+  };
+  std::vector<Holder> holders;
+};
+
+// The interval index of one tensor: sorted, disjoint intervals along `dim`
+// (dim -1: the whole tensor is one interval [0, 1)). Lookups are a binary
+// search, which keeps planning near-linear in the number of pieces.
+struct TensorIndex {
+  int dim = -1;
+  std::vector<SourceInterval> intervals;
+};
+
+std::pair<int64_t, int64_t> Span(const Box& box, int dim) {
+  if (dim < 0) return {0, 1};
+  return {box.begin(dim), box.end(dim)};
+}
+
+absl::StatusOr<std::vector<TensorIndex>> BuildIndex(const Placement& from) {
+  const Model& model = from.model();
+  std::vector<TensorIndex> index(model.size());
+  for (int g = 0; g < from.num_groups(); ++g) {
+    const std::vector<TensorShard>& shards = from.shards(g);
+    for (int k = 0; k < static_cast<int>(shards.size()); ++k) {
+      const TensorShard& s = shards[k];
+      TensorIndex& ti = index[s.tensor];
+      ti.dim = s.split_dim;
+      for (int p = 0; p < static_cast<int>(s.pieces.size()); ++p) {
+        if (s.pieces[p].zero_fill) continue;
+        auto [b, e] = Span(s.pieces[p].global, s.split_dim);
+        ti.intervals.push_back({b, e, {{ShardRef{g, k}, p}}});
+      }
+    }
+  }
+  for (int t = 0; t < model.size(); ++t) {
+    std::vector<SourceInterval>& iv = index[t].intervals;
+    std::sort(iv.begin(), iv.end(), [](const SourceInterval& a, const SourceInterval& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    });
+    std::vector<SourceInterval> merged;
+    for (SourceInterval& i : iv) {
+      if (!merged.empty() && merged.back().begin == i.begin && merged.back().end == i.end) {
+        merged.back().holders.push_back(i.holders.front());
+        continue;
+      }
+      if (!merged.empty() && merged.back().end > i.begin) {
+        return absl::InternalError(absl::StrCat("tensor ", model.tensor(t).name,
+                                                ": old shards overlap partially"));
+      }
+      merged.push_back(std::move(i));
+    }
+    iv = std::move(merged);
+  }
+  return index;
+}
+
+bool SamePieces(const TensorShard& a, const TensorShard& b) {
+  if (a.local_shape != b.local_shape || a.pieces.size() != b.pieces.size()) return false;
+  for (size_t p = 0; p < a.pieces.size(); ++p) {
+    const ShardPiece& x = a.pieces[p];
+    const ShardPiece& y = b.pieces[p];
+    if (x.zero_fill != y.zero_fill || x.local != y.local) return false;
+    if (!x.zero_fill && x.global != y.global) return false;
+  }
+  return true;
+}
+
+// Elements contiguous in row-major memory from `idx` onward while staying
+// inside `box` of a tensor of `shape`.
+int64_t ContiguousRun(const Box& box, const Shape& shape, const Shape& idx) {
+  int64_t run = 0, stride = 1;
+  for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
+    run += (box.end(d) - idx[d] - 1) * stride;
+    if (box.shape()[d] != shape[d]) break;
+    stride *= shape[d];
+  }
+  return run + 1;
+}
+
+}  // namespace
+
+absl::StatusOr<ReshardPlan> ReshardPlan::Create(std::shared_ptr<const Placement> from,
+                                                std::shared_ptr<const Placement> to) {
+  const Model& model = from->model();
+  if (&model != &to->model()) {
+    if (model.size() != to->model().size()) {
+      return absl::InvalidArgumentError("placements are of different models");
+    }
+    for (int t = 0; t < model.size(); ++t) {
+      const TensorInfo& a = model.tensor(t);
+      const TensorInfo& b = to->model().tensor(t);
+      if (a.name != b.name || a.dtype != b.dtype || a.shape != b.shape) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("placements are of different models: tensor ", a.name));
+      }
+    }
+  }
+  ASSIGN_OR_RETURN(std::vector<TensorIndex> index, BuildIndex(*from));
+
+  ReshardPlan plan;
+  plan.from_ = from;
+  plan.to_ = to;
+  plan.groups_.resize(to->num_groups());
+  const ParallelConfig& cfrom = from->config();
+  const ParallelConfig& cto = to->config();
+  for (int g = 0; g < to->num_groups(); ++g) {
+    // Prefer the old shard group of the same-numbered rank (dp_rank 0 of this
+    // group): its bytes are already where they are needed.
+    const int first_rank = cto.Rank({g % cto.tp(), 0, g / cto.tp()});
+    const int preferred = first_rank < cfrom.world_size() ? cfrom.ShardGroup(first_rank) : -1;
+    GroupPlan& gp = plan.groups_[g];
+    const std::vector<TensorShard>& shards = to->shards(g);
+    gp.ops.resize(shards.size());
+    gp.in_place.resize(shards.size());
+    for (size_t k = 0; k < shards.size(); ++k) {
+      const TensorShard& dst = shards[k];
+      const TensorIndex& ti = index[dst.tensor];
+      std::vector<CopyOp>& ops = gp.ops[k];
+      for (const ShardPiece& piece : dst.pieces) {
+        if (piece.zero_fill) {
+          ops.push_back({piece.local, ShardRef{}, {}});
+          continue;
+        }
+        auto [b, e] = Span(piece.global, ti.dim);
+        auto it = std::upper_bound(
+            ti.intervals.begin(), ti.intervals.end(), b,
+            [](int64_t v, const SourceInterval& i) { return v < i.end; });
+        int64_t covered = b;
+        for (; it != ti.intervals.end() && it->begin < e; ++it) {
+          if (it->begin > covered) break;  // a gap: reported below
+          const SourceInterval::Holder* h = &it->holders.front();
+          for (const SourceInterval::Holder& cand : it->holders) {
+            if (cand.shard.group == preferred) h = &cand;
+          }
+          const ShardPiece& sp = from->shards(h->shard.group)[h->shard.shard].pieces[h->piece];
+          Box common = Intersect(piece.global, sp.global);
+          Shape dst_origin = common.origin(), src_origin = common.origin();
+          for (int d = 0; d < common.rank(); ++d) {
+            dst_origin[d] += piece.local.begin(d) - piece.global.begin(d);
+            src_origin[d] += sp.local.begin(d) - sp.global.begin(d);
+          }
+          ops.push_back({Box(std::move(dst_origin), common.shape()), h->shard,
+                         std::move(src_origin)});
+          covered = it->end;
+        }
+        if (covered < e) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "tensor ", model.tensor(dst.tensor).name, ": no old shard holds ",
+              piece.global.ToString()));
+        }
+      }
+      // An identical old shard lets materialization reuse its bytes.
+      for (const ShardPiece& piece : dst.pieces) {
+        if (piece.zero_fill) continue;
+        auto [b, e] = Span(piece.global, ti.dim);
+        auto it = std::lower_bound(
+            ti.intervals.begin(), ti.intervals.end(), b,
+            [](const SourceInterval& i, int64_t v) { return i.begin < v; });
+        if (it == ti.intervals.end() || it->begin != b) break;
+        for (const SourceInterval::Holder& cand : it->holders) {
+          if (SamePieces(dst, from->shards(cand.shard.group)[cand.shard.shard]) &&
+              (!gp.in_place[k].valid() || cand.shard.group == preferred)) {
+            gp.in_place[k] = cand.shard;
+          }
+        }
+        break;
+      }
+    }
+  }
+  return plan;
+}
+
+absl::StatusOr<std::vector<Segment>> ReshardPlan::Resolve(int group, int shard,
+                                                          int64_t offset,
+                                                          int64_t length) const {
+  const TensorShard& dst = to_->shards(group)[shard];
+  const int64_t elem = DTypeSize(to_->model().tensor(dst.tensor).dtype);
+  ASSIGN_OR_RETURN(int64_t end, CheckedAdd(offset, length));
+  if (offset < 0 || length < 0 || end > dst.bytes) {
+    return absl::OutOfRangeError(absl::StrCat("byte range [", offset, ", ", end,
+                                              ") is outside the shard of ", dst.bytes,
+                                              " bytes"));
+  }
+  const std::vector<CopyOp>& ops = groups_[group].ops[shard];
+  const Shape dst_strides = RowMajorStrides(dst.local_shape);
+  const int rank = static_cast<int>(dst.local_shape.size());
+  std::vector<Segment> out;
+  Shape idx(rank), src_idx(rank);
+  size_t op_index = 0;
+  for (int64_t pos = offset; pos < end;) {
+    int64_t element = pos / elem, intra = pos % elem;
+    for (int d = 0; d < rank; ++d) {
+      idx[d] = element / dst_strides[d];
+      element %= dst_strides[d];
+    }
+    // Ops are ordered by position, so the next one usually follows the last.
+    auto inside = [&](const CopyOp& op) {
+      for (int d = 0; d < rank; ++d) {
+        if (idx[d] < op.dst.begin(d) || idx[d] >= op.dst.end(d)) return false;
+      }
+      return true;
+    };
+    if (op_index >= ops.size() || !inside(ops[op_index])) {
+      op_index = 0;
+      while (op_index < ops.size() && !inside(ops[op_index])) ++op_index;
+      if (op_index == ops.size()) {
+        return absl::InternalError("plan leaves a destination element uncovered");
+      }
+    }
+    const CopyOp& op = ops[op_index];
+    int64_t run = ContiguousRun(op.dst, dst.local_shape, idx);
+    Segment seg;
+    seg.dst_offset = pos;
+    seg.src = op.src;
+    if (op.src.valid()) {
+      const TensorShard& src = from_->shards(op.src.group)[op.src.shard];
+      const Shape src_strides = RowMajorStrides(src.local_shape);
+      int64_t src_element = 0;
+      for (int d = 0; d < rank; ++d) {
+        src_idx[d] = op.src_origin[d] + idx[d] - op.dst.begin(d);
+        src_element += src_idx[d] * src_strides[d];
+      }
+      run = std::min(run, ContiguousRun(Box(op.src_origin, op.dst.shape()), src.local_shape,
+                                        src_idx));
+      seg.src_offset = src_element * elem + intra;
+    }
+    seg.length = std::min(run * elem - intra, end - pos);
+    // Adjacent segments that continue each other merge into one.
+    if (!out.empty()) {
+      Segment& last = out.back();
+      if (last.src == seg.src && last.dst_offset + last.length == seg.dst_offset &&
+          (!seg.src.valid() || last.src_offset + last.length == seg.src_offset)) {
+        last.length += seg.length;
+        pos += seg.length;
+        continue;
+      }
+    }
+    out.push_back(seg);
+    pos += seg.length;
+  }
+  return out;
+}
+
+PlanSummary ReshardPlan::Summarize() const {
+  PlanSummary summary;
+  const Model& model = to_->model();
+  // Bytes of destination group g that old group h holds (h = -1: none).
+  absl::flat_hash_map<std::pair<int, int>, int64_t> kept_cache;
+  auto kept = [&](int g, int h) {
+    auto [it, inserted] = kept_cache.try_emplace({g, h}, 0);
+    if (!inserted) return it->second;
+    int64_t bytes = 0;
+    for (const TensorShard& dst : to_->shards(g)) {
+      const int64_t elem = DTypeSize(model.tensor(dst.tensor).dtype);
+      int src_index = h < 0 ? -1 : from_->ShardIndex(h, dst.tensor);
+      for (const ShardPiece& piece : dst.pieces) {
+        if (piece.zero_fill) {
+          bytes += *piece.local.NumElements() * elem;
+          continue;
+        }
+        if (src_index < 0) continue;
+        for (const ShardPiece& sp : from_->shards(h)[src_index].pieces) {
+          if (sp.zero_fill) continue;
+          Box common = Intersect(piece.global, sp.global);
+          if (!common.empty()) bytes += *common.NumElements() * elem;
+        }
+      }
+    }
+    it->second = bytes;
+    return bytes;
+  };
+  const ParallelConfig& cto = to_->config();
+  const ParallelConfig& cfrom = from_->config();
+  summary.ranks.reserve(cto.world_size());
+  for (int r = 0; r < cto.world_size(); ++r) {
+    int g = cto.ShardGroup(r);
+    RankTraffic t;
+    t.rank = r;
+    t.bytes_total = to_->group_bytes(g);
+    t.bytes_kept = kept(g, r < cfrom.world_size() ? cfrom.ShardGroup(r) : -1);
+    t.bytes_fetched = t.bytes_total - t.bytes_kept;
+    summary.bytes_total += t.bytes_total;
+    summary.bytes_kept += t.bytes_kept;
+    summary.bytes_fetched += t.bytes_fetched;
+    summary.ranks.push_back(t);
+  }
+  for (int g = 0; g < to_->num_groups(); ++g) {
+    const std::vector<TensorShard>& shards = to_->shards(g);
+    for (size_t k = 0; k < shards.size(); ++k) {
+      if (!groups_[g].in_place[k].valid()) summary.bytes_to_move += shards[k].bytes;
+    }
+  }
+  return summary;
+}
+
+}  // namespace scalai

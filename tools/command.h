@@ -1,0 +1,27 @@
+// A subcommand of `scalai`: it registers its flags on the command line and
+// runs after parsing. Each lives in its own <name>_command.cc.
+//
+//   Command plan = AddPlanCommand(root);
+//   ... root.parse(argc, argv) ...
+//   if (plan.app->parsed()) status = plan.run();
+#ifndef SCALAI_TOOLS_COMMAND_H_
+#define SCALAI_TOOLS_COMMAND_H_
+
+#include <functional>
+
+#include "CLI/CLI.hpp"
+#include "absl/status/status.h"
+
+namespace scalai {
+
+struct Command {
+  CLI::App* app = nullptr;
+  std::function<absl::Status()> run;
+};
+
+Command AddPlanCommand(CLI::App& root);
+Command AddSynthCommand(CLI::App& root);
+
+}  // namespace scalai
+
+#endif  // SCALAI_TOOLS_COMMAND_H_

@@ -1,0 +1,41 @@
+// The `scalai` command line: parses, runs one subcommand, and maps the result
+// to exit codes (0 success, 1 user error with one line on stderr, 2 usage).
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "tools/command.h"
+
+int main(int argc, char** argv) {
+  CLI::App root("Scalai: a job's training state as a parallelizable tensor collection, "
+                "mounted as files that re-slice themselves when tp, pp or dp change.",
+                "scalai");
+  root.require_subcommand(1);
+  root.set_version_flag("--version", "scalai 0.1.0");
+  std::vector<scalai::Command> commands = {
+      scalai::AddPlanCommand(root),
+      scalai::AddSynthCommand(root),
+  };
+  try {
+    root.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return root.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return root.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return root.exit(e);
+  } catch (const CLI::ParseError& e) {
+    root.exit(e);
+    return 2;
+  }
+  for (const scalai::Command& command : commands) {
+    if (!command.app->parsed()) continue;
+    absl::Status status = command.run();
+    if (status.ok()) return 0;
+    std::fprintf(stderr, "scalai %s: %s\n", command.app->get_name().c_str(),
+                 std::string(status.message()).c_str());
+    return 1;
+  }
+  return 2;
+}
