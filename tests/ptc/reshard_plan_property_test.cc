@@ -1,0 +1,438 @@
+// Property tests of placements and reshard plans over random models, layouts
+// and configs. The oracle below re-derives every shard from SPEC section 4 by
+// itself (which dims split, blocks, vocab padding, stages, local names) and
+// cuts it from random full tensors; the plan under test must turn the shards
+// of config A into exactly the oracle's shards of config B.
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <regex>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "ptc/layout.h"
+#include "ptc/model_spec.h"
+#include "ptc/placement.h"
+#include "ptc/reshard_plan.h"
+#include "transfer/box_copy.h"
+
+namespace scalai {
+namespace {
+
+using Bytes = std::vector<std::byte>;
+
+// How SPEC's presets partition a tensor, written independently of Layout.
+struct OracleRule {
+  int split = -1;
+  int blocks = 1;
+  bool vocab = false;
+  int stage = 0;  // for non-layer tensors: 0 first, 1 last
+};
+
+OracleRule OracleFor(const std::string& name, bool gated) {
+  auto ends = [&](const char* suffix) {
+    return name.size() >= strlen(suffix) && name.compare(name.size() - strlen(suffix),
+                                                         std::string::npos, suffix) == 0;
+  };
+  OracleRule r;
+  if (ends("word_embeddings.weight") || ends("embed_tokens.weight")) return {0, 1, true, 0};
+  if (ends("output_layer.weight") || ends("lm_head.weight")) return {0, 1, true, 1};
+  if (ends("final_layernorm.weight") || ends("model.norm.weight")) return {-1, 1, false, 1};
+  if (ends("linear_fc1.weight") || ends("linear_fc1.bias")) return {0, gated ? 2 : 1, false, 0};
+  if (ends("linear_qkv.weight") || ends("linear_qkv.bias")) return {0, 1, false, 0};
+  if (ends("linear_proj.weight") || ends("linear_fc2.weight")) return {1, 1, false, 0};
+  for (const char* p : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                        "up_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
+                        "gate_proj.bias", "up_proj.bias"}) {
+    if (ends(p)) return {0, 1, false, 0};
+  }
+  if (ends("o_proj.weight") || ends("down_proj.weight")) return {1, 1, false, 0};
+  return r;
+}
+
+struct Scenario {
+  std::string layout_name;
+  Layout layout;
+  std::shared_ptr<const Model> model;
+  bool gated = false;
+  int64_t vocab_divisor = 1;
+  int64_t layers = 0;
+  std::vector<Bytes> full;  // random contents of every global tensor
+};
+
+Scenario RandomScenario(std::mt19937_64& rng) {
+  auto pick = [&](std::vector<int64_t> v) { return v[rng() % v.size()]; };
+  Scenario s;
+  s.layout_name = rng() % 3 == 0 ? "hf-llama" : "megatron-core-gpt";
+  s.layout = *Layout::Load(s.layout_name);
+  ModelSpec spec;
+  spec.layers = pick({1, 2, 3, 5, 8, 16});
+  spec.heads = 16;
+  spec.hidden = 32;  // head dim 2
+  spec.groups = pick({16, 8, 4});
+  spec.ffn = pick({48, 96});
+  spec.vocab = 17 + rng() % 300;
+  spec.bias = rng() % 2;
+  spec.optimizer = rng() % 3 == 0 ? "adam" : "";
+  s.gated = s.layout_name == "megatron-core-gpt" && rng() % 2;
+  if (s.gated) spec.layout_params.push_back({"gated_linear_unit", "1"});
+  s.vocab_divisor = pick({1, 2, 4, 128});
+  EXPECT_TRUE(spec.ApplyParams(s.layout).ok());
+  EXPECT_TRUE(
+      s.layout.SetParam("make_vocab_size_divisible_by", absl::StrCat(s.vocab_divisor)).ok());
+  DType dtype = std::vector<DType>{DType::kBF16, DType::kF32, DType::kI8, DType::kF64}[rng() % 4];
+  auto model = spec.Build(s.layout, dtype);
+  EXPECT_TRUE(model.ok()) << model.status();
+  s.model = std::make_shared<const Model>(*std::move(model));
+  s.layers = spec.layers;
+  for (const TensorInfo& t : s.model->tensors()) {
+    Bytes bytes(*TensorBytes(t.shape, t.dtype));
+    for (std::byte& b : bytes) b = static_cast<std::byte>(rng());
+    s.full.push_back(std::move(bytes));
+  }
+  return s;
+}
+
+// A random config; explicit uneven stages now and then.
+ParallelConfig RandomConfig(std::mt19937_64& rng, int64_t layers) {
+  static const int kTp[] = {1, 2, 3, 4, 6, 8, 16};
+  int tp = kTp[rng() % 7];
+  int pp = 1 + static_cast<int>(rng() % std::min<int64_t>(layers, 16));
+  int dp = 1 + static_cast<int>(rng() % 16);
+  std::vector<int64_t> stages;
+  if (pp > 1 && rng() % 2) {
+    stages.assign(pp, 1);
+    for (int64_t extra = layers - pp; extra > 0; --extra) ++stages[rng() % pp];
+  }
+  return *ParallelConfig::Create(tp, pp, dp, stages);
+}
+
+// The oracle's view of one tensor on one tp rank: for each local index along
+// the split dim, the global index it holds, or -1 for a padding row.
+std::vector<int64_t> OracleRows(const TensorInfo& t, const OracleRule& r, int64_t divisor,
+                                int tp, int tp_rank) {
+  std::vector<int64_t> rows;
+  if (r.split < 0) return rows;
+  const int64_t d = t.shape[r.split];
+  if (r.vocab) {
+    int64_t padded = (d + divisor * tp - 1) / (divisor * tp) * (divisor * tp);
+    for (int64_t i = 0; i < padded / tp; ++i) {
+      int64_t g = tp_rank * (padded / tp) + i;
+      rows.push_back(g < d ? g : -1);
+    }
+    return rows;
+  }
+  const int64_t block = d / r.blocks, part = block / tp;
+  for (int b = 0; b < r.blocks; ++b) {
+    for (int64_t j = 0; j < part; ++j) rows.push_back(b * block + tp_rank * part + j);
+  }
+  return rows;
+}
+
+Bytes OracleCut(const Bytes& full, const TensorInfo& t, const OracleRule& r,
+                const std::vector<int64_t>& rows) {
+  if (r.split < 0) return full;
+  const int64_t elem = DTypeSize(t.dtype);
+  int64_t outer = 1, inner = elem;
+  for (int d = 0; d < r.split; ++d) outer *= t.shape[d];
+  for (size_t d = r.split + 1; d < t.shape.size(); ++d) inner *= t.shape[d];
+  const int64_t n = static_cast<int64_t>(rows.size());
+  Bytes out(outer * n * inner, std::byte{0});
+  for (int64_t o = 0; o < outer; ++o) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (rows[i] < 0) continue;
+      std::memcpy(&out[(o * n + i) * inner], &full[(o * t.shape[r.split] + rows[i]) * inner],
+                  inner);
+    }
+  }
+  return out;
+}
+
+// The oracle's shard group: local name -> (tensor index, bytes).
+struct OracleShard {
+  int tensor;
+  std::vector<int64_t> rows;
+  Bytes bytes;
+};
+using OracleGroup = std::map<std::string, OracleShard>;
+
+std::vector<OracleGroup> OracleGroups(const Scenario& s, const ParallelConfig& c) {
+  std::vector<int64_t> per_stage = c.stages();
+  if (per_stage.empty()) {
+    for (int p = 0; p < c.pp(); ++p) per_stage.push_back(s.layers / c.pp() + (p < s.layers % c.pp()));
+  }
+  std::vector<int64_t> first(c.pp() + 1, 0);
+  std::partial_sum(per_stage.begin(), per_stage.end(), first.begin() + 1);
+  std::regex layer_re(s.layout_name == "hf-llama" ? "model\\.layers\\.(\\d+)\\."
+                                                  : "decoder\\.layers\\.(\\d+)\\.");
+  std::vector<OracleGroup> groups(c.tp() * c.pp());
+  for (int i = 0; i < s.model->size(); ++i) {
+    const TensorInfo& t = s.model->tensor(i);
+    OracleRule r = OracleFor(t.name, s.gated);
+    std::smatch m;
+    std::vector<int> stages;
+    std::string local = t.name;
+    if (std::regex_search(t.name, m, layer_re)) {
+      int64_t layer = std::stoll(m[1].str());
+      int stage = static_cast<int>(std::upper_bound(first.begin(), first.end(), layer) -
+                                   first.begin()) - 1;
+      stages = {stage};
+      if (s.layout_name == "megatron-core-gpt") {
+        local = t.name.substr(0, m.position(1)) + std::to_string(layer - first[stage]) +
+                t.name.substr(m.position(1) + m.length(1));
+      }
+    } else {
+      stages = {r.stage == 0 ? 0 : c.pp() - 1};
+    }
+    for (int stage : stages) {
+      for (int tr = 0; tr < c.tp(); ++tr) {
+        std::vector<int64_t> rows = OracleRows(t, r, s.vocab_divisor, c.tp(), tr);
+        groups[stage * c.tp() + tr][local] = {i, rows, OracleCut(s.full[i], t, r, rows)};
+      }
+    }
+  }
+  return groups;
+}
+
+// Checks the placement against the oracle: same names, shapes and sizes.
+void ExpectPlacementMatches(const Placement& p, const std::vector<OracleGroup>& oracle) {
+  ASSERT_EQ(p.num_groups(), static_cast<int>(oracle.size()));
+  for (int g = 0; g < p.num_groups(); ++g) {
+    std::set<std::string> names;
+    for (const TensorShard& s : p.shards(g)) {
+      names.insert(s.local_name);
+      auto it = oracle[g].find(s.local_name);
+      ASSERT_NE(it, oracle[g].end()) << "group " << g << " holds unexpected " << s.local_name;
+      EXPECT_EQ(it->second.tensor, s.tensor);
+      EXPECT_EQ(static_cast<int64_t>(it->second.bytes.size()), s.bytes) << s.local_name;
+    }
+    EXPECT_EQ(names.size(), oracle[g].size()) << "group " << g;
+  }
+}
+
+// Materializes every destination shard by executing the plan's copy ops on
+// the source shards' bytes.
+std::vector<std::vector<Bytes>> ApplyOps(const ReshardPlan& plan,
+                                         const std::vector<std::vector<Bytes>>& src) {
+  std::vector<std::vector<Bytes>> out(plan.to().num_groups());
+  for (int g = 0; g < plan.to().num_groups(); ++g) {
+    for (size_t k = 0; k < plan.to().shards(g).size(); ++k) {
+      const TensorShard& dst = plan.to().shards(g)[k];
+      const int elem = DTypeSize(plan.to().model().tensor(dst.tensor).dtype);
+      Bytes bytes(dst.bytes, std::byte{0x5a});
+      for (const CopyOp& op : plan.ops(g, k)) {
+        if (!op.src.valid()) {
+          ZeroBox(bytes.data(), dst.local_shape, op.dst.origin(), op.dst.shape(), elem);
+          continue;
+        }
+        const TensorShard& s = plan.from().shards(op.src.group)[op.src.shard];
+        CopyBox(src[op.src.group][op.src.shard].data(), s.local_shape, op.src_origin,
+                bytes.data(), dst.local_shape, op.dst.origin(), op.dst.shape(), elem);
+      }
+      out[g].push_back(std::move(bytes));
+    }
+  }
+  return out;
+}
+
+// Materializes one destination shard through Resolve() in ranges cut at
+// random points, as reads of a view would.
+Bytes ApplySegments(const ReshardPlan& plan, int g, int k,
+                    const std::vector<std::vector<Bytes>>& src, std::mt19937_64& rng) {
+  const TensorShard& dst = plan.to().shards(g)[k];
+  Bytes bytes(dst.bytes, std::byte{0x5a});
+  for (int64_t pos = 0; pos < dst.bytes;) {
+    int64_t len = std::min<int64_t>(dst.bytes - pos, 1 + rng() % 97);
+    auto segments = plan.Resolve(g, k, pos, len);
+    EXPECT_TRUE(segments.ok()) << segments.status();
+    int64_t expect = pos;
+    for (const Segment& seg : *segments) {
+      EXPECT_EQ(seg.dst_offset, expect);
+      if (seg.src.valid()) {
+        std::memcpy(&bytes[seg.dst_offset], &src[seg.src.group][seg.src.shard][seg.src_offset],
+                    seg.length);
+      } else {
+        std::memset(&bytes[seg.dst_offset], 0, seg.length);
+      }
+      expect += seg.length;
+    }
+    EXPECT_EQ(expect, pos + len);
+    pos += len;
+  }
+  return bytes;
+}
+
+std::vector<std::vector<Bytes>> OracleBytes(const Placement& p,
+                                            const std::vector<OracleGroup>& oracle) {
+  std::vector<std::vector<Bytes>> out(p.num_groups());
+  for (int g = 0; g < p.num_groups(); ++g) {
+    for (const TensorShard& s : p.shards(g)) out[g].push_back(oracle[g].at(s.local_name).bytes);
+  }
+  return out;
+}
+
+// Every element of every destination shard is written by exactly one op.
+void ExpectOpsTileEachShardOnce(const ReshardPlan& plan) {
+  for (int g = 0; g < plan.to().num_groups(); ++g) {
+    for (size_t k = 0; k < plan.to().shards(g).size(); ++k) {
+      const TensorShard& dst = plan.to().shards(g)[k];
+      const int64_t elems = *NumElements(dst.local_shape);
+      std::vector<int> count(elems, 0);
+      const Shape strides = RowMajorStrides(dst.local_shape);
+      for (const CopyOp& op : plan.ops(g, k)) {
+        ASSERT_TRUE(Box::Full(dst.local_shape).Contains(op.dst)) << op.dst.ToString();
+        const int64_t n = *op.dst.NumElements();
+        for (int64_t e = 0; e < n; ++e) {
+          int64_t rest = e, flat = 0;
+          for (int d = op.dst.rank() - 1; d >= 0; --d) {
+            flat += (op.dst.begin(d) + rest % op.dst.shape()[d]) * strides[d];
+            rest /= op.dst.shape()[d];
+          }
+          ++count[flat];
+        }
+      }
+      for (int64_t e = 0; e < elems; ++e) {
+        ASSERT_EQ(count[e], 1) << "tensor " << dst.local_name << " element " << e;
+      }
+    }
+  }
+}
+
+// Bytes of rank r's new shard that old rank r holds, computed from the oracle.
+int64_t OracleKept(const Scenario& s, const std::vector<OracleGroup>& a, int ga,
+                   const std::vector<OracleGroup>& b, int gb) {
+  int64_t kept = 0;
+  for (const auto& [name, shard] : b[gb]) {
+    const TensorInfo& t = s.model->tensor(shard.tensor);
+    const int64_t bytes = static_cast<int64_t>(shard.bytes.size());
+    OracleRule r = OracleFor(t.name, s.gated);
+    if (r.split < 0) {
+      if (ga >= 0) {
+        for (const auto& [n2, old] : a[ga]) kept += old.tensor == shard.tensor ? bytes : 0;
+      }
+      continue;
+    }
+    const int64_t per_row = bytes / static_cast<int64_t>(shard.rows.size());
+    std::set<int64_t> held;
+    if (ga >= 0) {
+      for (const auto& [n2, old] : a[ga]) {
+        if (old.tensor == shard.tensor) held.insert(old.rows.begin(), old.rows.end());
+      }
+    }
+    for (int64_t row : shard.rows) kept += (row < 0 || held.count(row)) ? per_row : 0;
+  }
+  return kept;
+}
+
+class ReshardPlanProperty : public ::testing::TestWithParam<int> {};
+
+TEST_P(ReshardPlanProperty, PlanTurnsShardsOfAIntoShardsOfBAndBack) {
+  std::mt19937_64 rng(GetParam());
+  Scenario s = RandomScenario(rng);
+  // Draw configs until the layout accepts them; refusals are tested elsewhere.
+  auto draw = [&]() -> std::pair<ParallelConfig, std::shared_ptr<const Placement>> {
+    for (;;) {
+      ParallelConfig c = RandomConfig(rng, s.layers);
+      auto p = Placement::Create(s.layout, s.model, c);
+      if (p.ok()) return {c, std::make_shared<const Placement>(*std::move(p))};
+    }
+  };
+  auto [ca, pa] = draw();
+  auto [cb, pb] = draw();
+  SCOPED_TRACE(absl::StrCat(s.layout_name, " layers=", s.layers, " ", ca.ToString(), " -> ",
+                            cb.ToString(), " divisor=", s.vocab_divisor, " gated=", s.gated));
+  std::vector<OracleGroup> oa = OracleGroups(s, ca), ob = OracleGroups(s, cb);
+  ExpectPlacementMatches(*pa, oa);
+  ExpectPlacementMatches(*pb, ob);
+  if (HasFatalFailure()) return;
+
+  auto ab = ReshardPlan::Create(pa, pb);
+  ASSERT_TRUE(ab.ok()) << ab.status();
+  ExpectOpsTileEachShardOnce(*ab);
+  if (HasFatalFailure()) return;
+  const auto bytes_a = OracleBytes(*pa, oa);
+  const auto bytes_b = OracleBytes(*pb, ob);
+  const auto got_b = ApplyOps(*ab, bytes_a);
+  for (int g = 0; g < pb->num_groups(); ++g) {
+    for (size_t k = 0; k < pb->shards(g).size(); ++k) {
+      ASSERT_EQ(got_b[g][k], bytes_b[g][k]) << "ops: group " << g << " " << pb->shards(g)[k].local_name;
+      ASSERT_EQ(ApplySegments(*ab, g, static_cast<int>(k), bytes_a, rng), bytes_b[g][k])
+          << "segments: group " << g << " " << pb->shards(g)[k].local_name;
+    }
+  }
+
+  // Back again: A -> B -> A is the identity.
+  auto ba = ReshardPlan::Create(pb, pa);
+  ASSERT_TRUE(ba.ok()) << ba.status();
+  EXPECT_EQ(ApplyOps(*ba, got_b), bytes_a);
+
+  // Accounting: totals add up, and "kept" is what the same-numbered old rank holds.
+  PlanSummary sum = ab->Summarize();
+  ASSERT_EQ(static_cast<int>(sum.ranks.size()), cb.world_size());
+  int64_t total = 0;
+  for (const RankTraffic& r : sum.ranks) {
+    const int gb = cb.ShardGroup(r.rank);
+    const int ga = r.rank < ca.world_size() ? ca.ShardGroup(r.rank) : -1;
+    EXPECT_EQ(r.bytes_total, pb->group_bytes(gb));
+    EXPECT_EQ(r.bytes_kept + r.bytes_fetched, r.bytes_total);
+    EXPECT_EQ(r.bytes_kept, OracleKept(s, oa, ga, ob, gb)) << "rank " << r.rank;
+    total += r.bytes_total;
+  }
+  EXPECT_EQ(sum.bytes_total, total);
+  int64_t unique = 0;
+  for (int g = 0; g < pb->num_groups(); ++g) unique += pb->group_bytes(g);
+  EXPECT_LE(sum.bytes_to_move, unique);
+  // A shard reused in place must really be byte-identical.
+  for (int g = 0; g < pb->num_groups(); ++g) {
+    for (size_t k = 0; k < pb->shards(g).size(); ++k) {
+      ShardRef src = ab->in_place_source(g, static_cast<int>(k));
+      if (src.valid()) {
+        EXPECT_EQ(bytes_a[src.group][src.shard], bytes_b[g][k]);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(RandomModels, ReshardPlanProperty, ::testing::Range(1, 301));
+
+TEST(ReshardPlan, PureDataParallelChangeMovesNothing) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 30; ++trial) {
+    Scenario s = RandomScenario(rng);
+    auto pa = Placement::Create(s.layout, s.model, *ParallelConfig::Create(1, 1, 4));
+    auto pb = Placement::Create(s.layout, s.model, *ParallelConfig::Create(1, 1, 3));
+    ASSERT_TRUE(pa.ok() && pb.ok());
+    auto plan = ReshardPlan::Create(std::make_shared<const Placement>(*pa),
+                                    std::make_shared<const Placement>(*pb));
+    ASSERT_TRUE(plan.ok());
+    EXPECT_EQ(plan->Summarize().bytes_to_move, 0);
+  }
+}
+
+TEST(ReshardPlan, DataParallelGrowthFetchesOnlyForNewRanks) {
+  auto layout = *Layout::Load("megatron-core-gpt");
+  auto spec = *ModelSpec::Parse("layers=4,hidden=64,heads=4,vocab=500");
+  ASSERT_TRUE(spec.ApplyParams(layout).ok());
+  auto model = std::make_shared<const Model>(*spec.Build(layout, DType::kBF16));
+  auto from = std::make_shared<const Placement>(
+      *Placement::Create(layout, model, *ParallelConfig::Parse("tp=2,pp=2,dp=1")));
+  auto to = std::make_shared<const Placement>(
+      *Placement::Create(layout, model, *ParallelConfig::Parse("tp=2,pp=2,dp=2")));
+  PlanSummary s = ReshardPlan::Create(from, to)->Summarize();
+  EXPECT_EQ(s.bytes_to_move, 0);
+  // Ranks 0..3 of the old job exist; under dp=2, ranks 0,1 keep (pp 0, same
+  // tp); ranks 2,3 are dp replicas of pp 0 but old ranks 2,3 were pp 1.
+  EXPECT_EQ(s.ranks[0].bytes_fetched, 0);
+  EXPECT_EQ(s.ranks[1].bytes_fetched, 0);
+  EXPECT_EQ(s.ranks[2].bytes_kept, 0);
+  EXPECT_EQ(s.ranks[4].bytes_kept, 0);  // a new rank holds nothing yet
+  EXPECT_EQ(s.ranks[4].bytes_fetched, s.ranks[4].bytes_total);
+}
+
+}  // namespace
+}  // namespace scalai
