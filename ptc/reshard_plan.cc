@@ -84,6 +84,37 @@ bool SamePieces(const TensorShard& a, const TensorShard& b) {
   return true;
 }
 
+// An old shard with the same pieces in the same local places as `dst`, so
+// that its bytes serve `dst` as they are; the preferred group wins ties.
+ShardRef FindIdentical(const Placement& from, const TensorIndex& ti, const TensorShard& dst,
+                       int preferred) {
+  ShardRef found;
+  auto consider = [&](ShardRef cand) {
+    if (SamePieces(dst, from.shards(cand.group)[cand.shard]) &&
+        (!found.valid() || cand.group == preferred)) {
+      found = cand;
+    }
+  };
+  for (const ShardPiece& piece : dst.pieces) {
+    if (piece.zero_fill) continue;
+    // Candidates hold the first data piece's interval exactly.
+    int64_t b = Span(piece.global, ti.dim).first;
+    auto it = std::lower_bound(ti.intervals.begin(), ti.intervals.end(), b,
+                               [](const SourceInterval& i, int64_t v) { return i.begin < v; });
+    if (it != ti.intervals.end() && it->begin == b) {
+      for (const SourceInterval::Holder& h : it->holders) consider(h.shard);
+    }
+    return found;
+  }
+  // A shard of padding only (a rank past the vocabulary) is in no interval:
+  // look at every old shard of the tensor.
+  for (int g = 0; g < from.num_groups(); ++g) {
+    int k = from.ShardIndex(g, dst.tensor);
+    if (k >= 0) consider(ShardRef{g, k});
+  }
+  return found;
+}
+
 // Elements contiguous in row-major memory from `idx` onward while staying
 // inside `box` of a tensor of `shape`.
 int64_t ContiguousRun(const Box& box, const Shape& shape, const Shape& idx) {
@@ -168,22 +199,7 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(std::shared_ptr<const Placement>
               piece.global.ToString()));
         }
       }
-      // An identical old shard lets materialization reuse its bytes.
-      for (const ShardPiece& piece : dst.pieces) {
-        if (piece.zero_fill) continue;
-        auto [b, e] = Span(piece.global, ti.dim);
-        auto it = std::lower_bound(
-            ti.intervals.begin(), ti.intervals.end(), b,
-            [](const SourceInterval& i, int64_t v) { return i.begin < v; });
-        if (it == ti.intervals.end() || it->begin != b) break;
-        for (const SourceInterval::Holder& cand : it->holders) {
-          if (SamePieces(dst, from->shards(cand.shard.group)[cand.shard.shard]) &&
-              (!gp.in_place[k].valid() || cand.shard.group == preferred)) {
-            gp.in_place[k] = cand.shard;
-          }
-        }
-        break;
-      }
+      gp.in_place[k] = FindIdentical(*from, ti, dst, preferred);
     }
   }
   return plan;

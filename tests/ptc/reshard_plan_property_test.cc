@@ -402,11 +402,15 @@ INSTANTIATE_TEST_SUITE_P(RandomModels, ReshardPlanProperty, ::testing::Range(1, 
 
 TEST(ReshardPlan, PureDataParallelChangeMovesNothing) {
   std::mt19937_64 rng(7);
-  for (int trial = 0; trial < 30; ++trial) {
+  for (int trial = 0; trial < 100; ++trial) {
     Scenario s = RandomScenario(rng);
-    auto pa = Placement::Create(s.layout, s.model, *ParallelConfig::Create(1, 1, 4));
-    auto pb = Placement::Create(s.layout, s.model, *ParallelConfig::Create(1, 1, 3));
-    ASSERT_TRUE(pa.ok() && pb.ok());
+    ParallelConfig a = RandomConfig(rng, s.layers);
+    auto pa = Placement::Create(s.layout, s.model, a);
+    if (!pa.ok()) continue;
+    auto b = *ParallelConfig::Create(a.tp(), a.pp(), a.dp() % 16 + 1, a.stages());
+    auto pb = Placement::Create(s.layout, s.model, b);
+    ASSERT_TRUE(pb.ok()) << pb.status();
+    SCOPED_TRACE(a.ToString() + " -> " + b.ToString());
     auto plan = ReshardPlan::Create(std::make_shared<const Placement>(*pa),
                                     std::make_shared<const Placement>(*pb));
     ASSERT_TRUE(plan.ok());
