@@ -58,14 +58,14 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
     DType dtype;
   };
   static constexpr Alias kAliases[] = {
-      {"FLOAT64", DType::kF64},  {"DOUBLE", DType::kF64},
-      {"FP64", DType::kF64},     {"FLOAT32", DType::kF32},
-      {"FLOAT", DType::kF32},    {"FP32", DType::kF32},
-      {"FLOAT16", DType::kF16},  {"HALF", DType::kF16},
-      {"FP16", DType::kF16},     {"BFLOAT16", DType::kBF16},
-      {"INT64", DType::kI64},    {"INT32", DType::kI32},
-      {"INT16", DType::kI16},    {"INT8", DType::kI8},
-      {"UINT8", DType::kU8},     {"FP8_E4M3", DType::kF8E4M3},
+      {"FLOAT64", DType::kF64},     {"DOUBLE", DType::kF64},
+      {"FP64", DType::kF64},        {"FLOAT32", DType::kF32},
+      {"FLOAT", DType::kF32},       {"FP32", DType::kF32},
+      {"FLOAT16", DType::kF16},     {"HALF", DType::kF16},
+      {"FP16", DType::kF16},        {"BFLOAT16", DType::kBF16},
+      {"INT64", DType::kI64},       {"INT32", DType::kI32},
+      {"INT16", DType::kI16},       {"INT8", DType::kI8},
+      {"UINT8", DType::kU8},        {"FP8_E4M3", DType::kF8E4M3},
       {"FP8_E5M2", DType::kF8E5M2},
   };
   for (const Alias& a : kAliases) {

@@ -7,9 +7,9 @@
 #define SCALAI_PTC_DTYPE_H_
 
 #include <cstdint>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace scalai {
 

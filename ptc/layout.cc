@@ -55,8 +55,8 @@ absl::StatusOr<std::regex> CompileRegex(absl::string_view source,
   try {
     return std::regex(pattern, std::regex::ECMAScript | std::regex::optimize);
   } catch (const std::regex_error& e) {
-    return LayoutError(source, absl::StrCat("invalid regex \"", pattern,
-                                            "\": ", e.what()));
+    return LayoutError(
+        source, absl::StrCat("invalid regex \"", pattern, "\": ", e.what()));
   }
 }
 
@@ -67,9 +67,9 @@ absl::Status CheckKeys(absl::string_view source, absl::string_view what,
     bool known = false;
     for (absl::string_view a : allowed) known |= (a == key);
     if (!known) {
-      return LayoutError(source, absl::StrCat(what, ": unknown key \"", key,
-                                              "\" (allowed: ",
-                                              absl::StrJoin(allowed, ", "), ")"));
+      return LayoutError(
+          source, absl::StrCat(what, ": unknown key \"", key, "\" (allowed: ",
+                               absl::StrJoin(allowed, ", "), ")"));
     }
   }
   return absl::OkStatus();
@@ -89,61 +89,76 @@ absl::StatusOr<StagePolicy> ParseStage(absl::string_view source,
 absl::StatusOr<LayoutRule> ParseRule(absl::string_view source, size_t index,
                                      const json& j, const json& params) {
   std::string what = absl::StrCat("rules[", index, "]");
-  if (!j.is_object()) return LayoutError(source, absl::StrCat(what, " is not an object"));
-  RETURN_IF_ERROR(CheckKeys(source, what, j,
-                            {"match", "split", "blocks", "vocab", "when", "stage"}));
+  if (!j.is_object())
+    return LayoutError(source, absl::StrCat(what, " is not an object"));
+  RETURN_IF_ERROR(CheckKeys(
+      source, what, j, {"match", "split", "blocks", "vocab", "when", "stage"}));
   LayoutRule rule;
   if (!j.contains("match") || !j["match"].is_string()) {
-    return LayoutError(source, absl::StrCat(what, ": \"match\" must be a regex string"));
+    return LayoutError(
+        source, absl::StrCat(what, ": \"match\" must be a regex string"));
   }
   rule.match = j["match"].get<std::string>();
   ASSIGN_OR_RETURN(rule.regex, CompileRegex(source, rule.match));
   if (j.contains("split") && !j["split"].is_null()) {
     if (!j["split"].is_number_integer() || j["split"].get<int64_t>() < 0 ||
         j["split"].get<int64_t>() > 64) {
-      return LayoutError(source, absl::StrCat(what, ": \"split\" must be null or "
-                                                    "a dimension index >= 0"));
+      return LayoutError(source, absl::StrCat(what,
+                                              ": \"split\" must be null or "
+                                              "a dimension index >= 0"));
     }
     rule.split = j["split"].get<int>();
   }
   if (j.contains("blocks")) {
     if (!j["blocks"].is_number_integer() || j["blocks"].get<int64_t>() < 1 ||
         j["blocks"].get<int64_t>() > 1024) {
-      return LayoutError(source, absl::StrCat(what, ": \"blocks\" must be an integer >= 1"));
+      return LayoutError(
+          source, absl::StrCat(what, ": \"blocks\" must be an integer >= 1"));
     }
     rule.blocks = j["blocks"].get<int>();
   }
   if (j.contains("vocab")) {
     if (!j["vocab"].is_boolean()) {
-      return LayoutError(source, absl::StrCat(what, ": \"vocab\" must be true or false"));
+      return LayoutError(
+          source, absl::StrCat(what, ": \"vocab\" must be true or false"));
     }
     rule.vocab = j["vocab"].get<bool>();
   }
   if (j.contains("when")) {
     if (!j["when"].is_string()) {
-      return LayoutError(source, absl::StrCat(what, ": \"when\" must name a parameter"));
+      return LayoutError(
+          source, absl::StrCat(what, ": \"when\" must name a parameter"));
     }
     rule.when = j["when"].get<std::string>();
     if (!params.contains(rule.when) || !params[rule.when].is_boolean()) {
-      return LayoutError(source, absl::StrCat(what, ": \"when\" names \"", rule.when,
-                                              "\", which is not a boolean in \"params\""));
+      return LayoutError(
+          source, absl::StrCat(what, ": \"when\" names \"", rule.when,
+                               "\", which is not a boolean in \"params\""));
     }
   }
   if (j.contains("stage")) {
     if (!j["stage"].is_string()) {
-      return LayoutError(source, absl::StrCat(what, ": \"stage\" must be a string"));
+      return LayoutError(source,
+                         absl::StrCat(what, ": \"stage\" must be a string"));
     }
-    ASSIGN_OR_RETURN(rule.stage, ParseStage(source, j["stage"].get<std::string>()));
+    ASSIGN_OR_RETURN(rule.stage,
+                     ParseStage(source, j["stage"].get<std::string>()));
   }
   if ((rule.vocab || rule.blocks > 1) && rule.split < 0) {
-    return LayoutError(source, absl::StrCat(what, ": \"vocab\" and \"blocks\" need a split dimension"));
+    return LayoutError(
+        source, absl::StrCat(
+                    what, ": \"vocab\" and \"blocks\" need a split dimension"));
   }
   if (rule.vocab && rule.blocks > 1) {
-    return LayoutError(source, absl::StrCat(what, ": \"vocab\" and \"blocks\" cannot be combined"));
+    return LayoutError(
+        source,
+        absl::StrCat(what, ": \"vocab\" and \"blocks\" cannot be combined"));
   }
   if (rule.vocab && !params.contains("make_vocab_size_divisible_by")) {
-    return LayoutError(source, absl::StrCat(what, ": a vocab rule needs the parameter "
-                                                  "\"make_vocab_size_divisible_by\""));
+    return LayoutError(source,
+                       absl::StrCat(what,
+                                    ": a vocab rule needs the parameter "
+                                    "\"make_vocab_size_divisible_by\""));
   }
   return rule;
 }
@@ -155,7 +170,8 @@ std::vector<std::string> Layout::PresetNames() {
 }
 
 absl::StatusOr<Layout> Layout::Load(absl::string_view name_or_path) {
-  if (name_or_path == "megatron-core-gpt") return FromJson(kMegatronCoreGpt, name_or_path);
+  if (name_or_path == "megatron-core-gpt")
+    return FromJson(kMegatronCoreGpt, name_or_path);
   if (name_or_path == "hf-llama") return FromJson(kHfLlama, name_or_path);
   std::ifstream in{std::string(name_or_path)};
   if (!in) {
@@ -173,7 +189,8 @@ absl::StatusOr<Layout> Layout::FromJson(absl::string_view text,
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return LayoutError(source, "not valid JSON");
   if (!j.is_object()) return LayoutError(source, "not a JSON object");
-  RETURN_IF_ERROR(CheckKeys(source, "layout", j, {"name", "layer", "params", "rules"}));
+  RETURN_IF_ERROR(
+      CheckKeys(source, "layout", j, {"name", "layer", "params", "rules"}));
   Layout layout;
   if (!j.contains("name") || !j["name"].is_string()) {
     return LayoutError(source, "\"name\" must be a string");
@@ -181,31 +198,39 @@ absl::StatusOr<Layout> Layout::FromJson(absl::string_view text,
   layout.name_ = j["name"].get<std::string>();
   layout.params_ = json::object();
   if (j.contains("params")) {
-    if (!j["params"].is_object()) return LayoutError(source, "\"params\" must be an object");
+    if (!j["params"].is_object())
+      return LayoutError(source, "\"params\" must be an object");
     for (const auto& [key, value] : j["params"].items()) {
-      if (!value.is_null() && !value.is_boolean() && !value.is_number_integer()) {
-        return LayoutError(source, absl::StrCat("param \"", key,
-                                                "\" must be null, a boolean or an integer"));
+      if (!value.is_null() && !value.is_boolean() &&
+          !value.is_number_integer()) {
+        return LayoutError(
+            source, absl::StrCat("param \"", key,
+                                 "\" must be null, a boolean or an integer"));
       }
     }
     layout.params_ = j["params"];
   }
   if (j.contains("layer")) {
     const json& layer = j["layer"];
-    if (!layer.is_object()) return LayoutError(source, "\"layer\" must be an object");
-    RETURN_IF_ERROR(CheckKeys(source, "layer", layer, {"pattern", "numbering"}));
+    if (!layer.is_object())
+      return LayoutError(source, "\"layer\" must be an object");
+    RETURN_IF_ERROR(
+        CheckKeys(source, "layer", layer, {"pattern", "numbering"}));
     if (!layer.contains("pattern") || !layer["pattern"].is_string()) {
       return LayoutError(source, "layer: \"pattern\" must be a regex string");
     }
     layout.layer_pattern_ = layer["pattern"].get<std::string>();
-    ASSIGN_OR_RETURN(layout.layer_regex_, CompileRegex(source, layout.layer_pattern_));
+    ASSIGN_OR_RETURN(layout.layer_regex_,
+                     CompileRegex(source, layout.layer_pattern_));
     if (layout.layer_regex_.mark_count() != 1) {
-      return LayoutError(source, "layer: \"pattern\" must have exactly one group "
-                                 "capturing the layer number");
+      return LayoutError(source,
+                         "layer: \"pattern\" must have exactly one group "
+                         "capturing the layer number");
     }
     std::string numbering = layer.value("numbering", std::string("local"));
     if (numbering != "local" && numbering != "global") {
-      return LayoutError(source, "layer: \"numbering\" must be \"local\" or \"global\"");
+      return LayoutError(
+          source, "layer: \"numbering\" must be \"local\" or \"global\"");
     }
     layout.local_numbering_ = numbering == "local";
   }
@@ -214,7 +239,8 @@ absl::StatusOr<Layout> Layout::FromJson(absl::string_view text,
   }
   auto rules = std::make_shared<std::vector<LayoutRule>>();
   for (size_t i = 0; i < j["rules"].size(); ++i) {
-    ASSIGN_OR_RETURN(LayoutRule rule, ParseRule(source, i, j["rules"][i], layout.params_));
+    ASSIGN_OR_RETURN(LayoutRule rule,
+                     ParseRule(source, i, j["rules"][i], layout.params_));
     rules->push_back(std::move(rule));
   }
   layout.rules_ = std::move(rules);
@@ -243,8 +269,10 @@ absl::Status Layout::SetParam(absl::string_view key, absl::string_view value) {
     return absl::OkStatus();
   }
   int64_t n = 0;
-  auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), n);
-  if (value.empty() || ec != std::errc() || end != value.data() + value.size() || n < 1) {
+  auto [end, ec] =
+      std::from_chars(value.data(), value.data() + value.size(), n);
+  if (value.empty() || ec != std::errc() ||
+      end != value.data() + value.size() || n < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "parameter ", key, "=", value, ": expected a positive integer"));
   }
@@ -263,7 +291,8 @@ std::optional<int64_t> Layout::IntParam(absl::string_view key) const {
   return params_[k].get<int64_t>();
 }
 
-absl::StatusOr<TensorRule> Layout::Classify(absl::string_view tensor_name) const {
+absl::StatusOr<TensorRule> Layout::Classify(
+    absl::string_view tensor_name) const {
   TensorRule out;
   const char* begin = tensor_name.data();
   const char* end = begin + tensor_name.size();
@@ -273,8 +302,9 @@ absl::StatusOr<TensorRule> Layout::Classify(absl::string_view tensor_name) const
       int64_t layer = 0;
       auto [p, ec] = std::from_chars(m[1].first, m[1].second, layer);
       if (ec != std::errc() || p != m[1].second) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor ", tensor_name, ": layer number \"", m[1].str(), "\" is not a number"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("tensor ", tensor_name, ": layer number \"",
+                         m[1].str(), "\" is not a number"));
       }
       out.layer = layer;
       out.layer_digits_pos = m[1].first - begin;
@@ -295,10 +325,12 @@ absl::StatusOr<TensorRule> Layout::Classify(absl::string_view tensor_name) const
 }
 
 std::string Layout::LocalName(absl::string_view tensor_name,
-                              const TensorRule& rule, int64_t local_layer) const {
+                              const TensorRule& rule,
+                              int64_t local_layer) const {
   if (!rule.layer || !local_numbering_) return std::string(tensor_name);
-  return absl::StrCat(tensor_name.substr(0, rule.layer_digits_pos), local_layer,
-                      tensor_name.substr(rule.layer_digits_pos + rule.layer_digits_len));
+  return absl::StrCat(
+      tensor_name.substr(0, rule.layer_digits_pos), local_layer,
+      tensor_name.substr(rule.layer_digits_pos + rule.layer_digits_len));
 }
 
 nlohmann::json Layout::ToJson() const {

@@ -18,9 +18,9 @@ absl::Status Model::Add(TensorInfo tensor) {
   }
   auto bytes = TensorBytes(tensor.shape, tensor.dtype);
   if (!bytes.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "tensor ", tensor.name, " ", ShapeToString(tensor.shape), ": ",
-        bytes.status().message()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor ", tensor.name, " ", ShapeToString(tensor.shape),
+                     ": ", bytes.status().message()));
   }
   ASSIGN_OR_RETURN(total_bytes_, CheckedAdd(total_bytes_, *bytes));
   index_.emplace(tensor.name, size());

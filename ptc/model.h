@@ -2,18 +2,18 @@
 // shapes, in a fixed order that every placement and plan indexes by position.
 //
 //   Model model;
-//   RETURN_IF_ERROR(model.Add({"output_layer.weight", DType::kBF16, {50304, 4096}}));
-//   const TensorInfo* t = model.Find("output_layer.weight");
+//   RETURN_IF_ERROR(model.Add({"output_layer.weight", DType::kBF16, {50304,
+//   4096}})); const TensorInfo* t = model.Find("output_layer.weight");
 #ifndef SCALAI_PTC_MODEL_H_
 #define SCALAI_PTC_MODEL_H_
 
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "ptc/box.h"
 #include "ptc/dtype.h"
 

@@ -11,7 +11,8 @@ namespace scalai {
 namespace {
 
 absl::Status SpecError(absl::string_view text, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("--model \"", text, "\": ", why));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--model \"", text, "\": ", why));
 }
 
 struct Builder {
@@ -19,7 +20,8 @@ struct Builder {
   DType dtype;
   absl::Status status;
   void Add(std::string name, Shape shape) {
-    if (status.ok()) status = model.Add({std::move(name), dtype, std::move(shape)});
+    if (status.ok())
+      status = model.Add({std::move(name), dtype, std::move(shape)});
   }
 };
 
@@ -51,11 +53,14 @@ absl::StatusOr<ModelSpec> ModelSpec::Parse(absl::string_view raw) {
     int64_t n = 0;
     bool is_number = false;
     {
-      auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), n);
-      is_number = !value.empty() && ec == std::errc() && end == value.data() + value.size();
+      auto [end, ec] =
+          std::from_chars(value.data(), value.data() + value.size(), n);
+      is_number = !value.empty() && ec == std::errc() &&
+                  end == value.data() + value.size();
     }
     if (key == "bias") {
-      if (!is_number || (n != 0 && n != 1)) return SpecError(text, "bias must be 0 or 1");
+      if (!is_number || (n != 0 && n != 1))
+        return SpecError(text, "bias must be 0 or 1");
       spec.bias = n == 1;
       continue;
     }
@@ -64,23 +69,28 @@ absl::StatusOr<ModelSpec> ModelSpec::Parse(absl::string_view raw) {
       continue;
     }
     if (!is_number || n < 1 || n > (int64_t{1} << 32)) {
-      return SpecError(text, absl::StrCat(key, "=", value, " must be a positive integer"));
+      return SpecError(
+          text, absl::StrCat(key, "=", value, " must be a positive integer"));
     }
     *field = n;
   }
-  for (auto [name, value] : {std::pair{"layers", spec.layers}, {"hidden", spec.hidden},
-                             {"heads", spec.heads}, {"vocab", spec.vocab}}) {
+  for (auto [name, value] : {std::pair{"layers", spec.layers},
+                             {"hidden", spec.hidden},
+                             {"heads", spec.heads},
+                             {"vocab", spec.vocab}}) {
     if (value == 0) return SpecError(text, absl::StrCat("missing ", name, "="));
   }
   if (spec.groups == 0) spec.groups = spec.heads;
   if (spec.ffn == 0) spec.ffn = 4 * spec.hidden;
   if (spec.hidden % spec.heads != 0) {
-    return SpecError(text, absl::StrCat("hidden=", spec.hidden,
-                                        " is not divisible by heads=", spec.heads));
+    return SpecError(text,
+                     absl::StrCat("hidden=", spec.hidden,
+                                  " is not divisible by heads=", spec.heads));
   }
   if (spec.heads % spec.groups != 0) {
-    return SpecError(text, absl::StrCat("heads=", spec.heads,
-                                        " is not divisible by groups=", spec.groups));
+    return SpecError(text,
+                     absl::StrCat("heads=", spec.heads,
+                                  " is not divisible by groups=", spec.groups));
   }
   return spec;
 }
@@ -95,7 +105,8 @@ absl::Status ModelSpec::ApplyParams(Layout& layout) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<Model> ModelSpec::Build(const Layout& layout, DType dtype) const {
+absl::StatusOr<Model> ModelSpec::Build(const Layout& layout,
+                                       DType dtype) const {
   const int64_t hd = hidden / heads;
   const int64_t qkv_rows = (heads + 2 * groups) * hd;
   Builder b{Model(), dtype, absl::OkStatus()};
@@ -123,7 +134,8 @@ absl::StatusOr<Model> ModelSpec::Build(const Layout& layout, DType dtype) const 
     for (int64_t n = 0; n < layers; ++n) {
       std::string p = absl::StrCat("model.layers.", n, ".");
       b.Add(p + "input_layernorm.weight", {hidden});
-      for (auto [proj, rows] : {std::pair{"q_proj", heads * hd}, {"k_proj", groups * hd},
+      for (auto [proj, rows] : {std::pair{"q_proj", heads * hd},
+                                {"k_proj", groups * hd},
                                 {"v_proj", groups * hd}}) {
         b.Add(absl::StrCat(p, "self_attn.", proj, ".weight"), {rows, hidden});
         if (bias) b.Add(absl::StrCat(p, "self_attn.", proj, ".bias"), {rows});

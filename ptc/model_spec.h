@@ -2,19 +2,20 @@
 // `--model layers=2,hidden=64,heads=4,vocab=1000` of `synth` and `plan`. It
 // builds the global tensor list that a layout preset's naming implies.
 //
-//   ASSIGN_OR_RETURN(ModelSpec spec, ModelSpec::Parse("layers=2,hidden=64,heads=4,vocab=1000"));
-//   RETURN_IF_ERROR(spec.ApplyParams(layout));   // gated_linear_unit=1, vocab_size
-//   ASSIGN_OR_RETURN(Model model, spec.Build(layout, DType::kBF16));
+//   ASSIGN_OR_RETURN(ModelSpec spec,
+//   ModelSpec::Parse("layers=2,hidden=64,heads=4,vocab=1000"));
+//   RETURN_IF_ERROR(spec.ApplyParams(layout));   // gated_linear_unit=1,
+//   vocab_size ASSIGN_OR_RETURN(Model model, spec.Build(layout, DType::kBF16));
 #ifndef SCALAI_PTC_MODEL_SPEC_H_
 #define SCALAI_PTC_MODEL_SPEC_H_
 
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "ptc/dtype.h"
 #include "ptc/layout.h"
 #include "ptc/model.h"

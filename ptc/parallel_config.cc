@@ -25,12 +25,15 @@ absl::StatusOr<int64_t> ParsePositive(absl::string_view text,
                                       absl::string_view key,
                                       absl::string_view value) {
   int64_t out = 0;
-  auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), out);
-  if (value.empty() || ec != std::errc() || end != value.data() + value.size()) {
+  auto [end, ec] =
+      std::from_chars(value.data(), value.data() + value.size(), out);
+  if (value.empty() || ec != std::errc() ||
+      end != value.data() + value.size()) {
     return ConfigError(text, absl::StrCat(key, "=", value, " is not a number"));
   }
   if (out <= 0) {
-    return ConfigError(text, absl::StrCat(key, "=", value, " must be at least 1"));
+    return ConfigError(text,
+                       absl::StrCat(key, "=", value, " must be at least 1"));
   }
   if (out > ParallelConfig::kMaxWorldSize) {
     return ConfigError(text, absl::StrCat(key, "=", value, " is too large"));
@@ -80,8 +83,9 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
       return ConfigError(text, absl::StrCat("missing ", kNames[i], "="));
     }
   }
-  auto config = Create(static_cast<int>(degrees[0]), static_cast<int>(degrees[1]),
-                       static_cast<int>(degrees[2]), std::move(stages));
+  auto config =
+      Create(static_cast<int>(degrees[0]), static_cast<int>(degrees[1]),
+             static_cast<int>(degrees[2]), std::move(stages));
   if (!config.ok()) return ConfigError(text, config.status().message());
   return config;
 }
@@ -143,9 +147,9 @@ absl::StatusOr<std::vector<int64_t>> ParallelConfig::LayersPerStage(
     return stages_;
   }
   if (pp_ > num_layers && pp_ > 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pp=", pp_, " needs at least ", pp_, " layers but the model has ",
-        num_layers));
+    return absl::InvalidArgumentError(
+        absl::StrCat("pp=", pp_, " needs at least ", pp_,
+                     " layers but the model has ", num_layers));
   }
   std::vector<int64_t> layers(pp_, num_layers / pp_);
   for (int64_t s = 0; s < num_layers % pp_; ++s) ++layers[s];
@@ -154,7 +158,8 @@ absl::StatusOr<std::vector<int64_t>> ParallelConfig::LayersPerStage(
 
 std::string ParallelConfig::ToString() const {
   std::string out = absl::StrCat("tp=", tp_, ",pp=", pp_, ",dp=", dp_);
-  if (!stages_.empty()) absl::StrAppend(&out, ",stages=", absl::StrJoin(stages_, ":"));
+  if (!stages_.empty())
+    absl::StrAppend(&out, ",stages=", absl::StrJoin(stages_, ":"));
   return out;
 }
 

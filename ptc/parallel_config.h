@@ -2,18 +2,19 @@
 // optional explicit split of layers over pipeline stages. Ranks are numbered in
 // Megatron order: tp varies fastest, then dp, then pp.
 //
-//   ASSIGN_OR_RETURN(ParallelConfig c, ParallelConfig::Parse("tp=2,pp=2,dp=4"));
-//   RankCoords rc = c.Coords(5);   // {tp_rank 1, dp_rank 2, pp_rank 0}
-//   ASSIGN_OR_RETURN(std::vector<int64_t> layers, c.LayersPerStage(24));
+//   ASSIGN_OR_RETURN(ParallelConfig c,
+//   ParallelConfig::Parse("tp=2,pp=2,dp=4")); RankCoords rc = c.Coords(5);   //
+//   {tp_rank 1, dp_rank 2, pp_rank 0} ASSIGN_OR_RETURN(std::vector<int64_t>
+//   layers, c.LayersPerStage(24));
 #ifndef SCALAI_PTC_PARALLEL_CONFIG_H_
 #define SCALAI_PTC_PARALLEL_CONFIG_H_
 
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace scalai {
 
@@ -30,14 +31,14 @@ class ParallelConfig {
   // enough that rank arithmetic never overflows an int.
   static constexpr int64_t kMaxWorldSize = int64_t{1} << 24;
 
-  // Parses "tp=2,pp=4,dp=8" or "tp=2,pp=4,dp=8,stages=6:6:6:6". Keys may come in
-  // any order; tp, pp and dp are required. Surrounding whitespace (the newline
-  // of `echo`) is ignored.
+  // Parses "tp=2,pp=4,dp=8" or "tp=2,pp=4,dp=8,stages=6:6:6:6". Keys may come
+  // in any order; tp, pp and dp are required. Surrounding whitespace (the
+  // newline of `echo`) is ignored.
   static absl::StatusOr<ParallelConfig> Parse(absl::string_view text);
 
   // Builds and validates a config from degrees; `stages` may be empty.
-  static absl::StatusOr<ParallelConfig> Create(int tp, int pp, int dp,
-                                               std::vector<int64_t> stages = {});
+  static absl::StatusOr<ParallelConfig> Create(
+      int tp, int pp, int dp, std::vector<int64_t> stages = {});
 
   int tp() const { return tp_; }
   int pp() const { return pp_; }

@@ -10,8 +10,8 @@ namespace scalai {
 namespace {
 
 absl::Status TensorError(const TensorInfo& t, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat(
-      "tensor ", t.name, " ", ShapeToString(t.shape), ": ", why));
+  return absl::InvalidArgumentError(
+      absl::StrCat("tensor ", t.name, " ", ShapeToString(t.shape), ": ", why));
 }
 
 // The pieces tensor-parallel rank `tp_rank` of `tp` holds of `t` under `rule`,
@@ -21,18 +21,22 @@ struct SplitResult {
   int64_t local_extent = 0;
 };
 
-absl::StatusOr<SplitResult> SplitTensor(const TensorInfo& t, const LayoutRule& rule,
-                                        int64_t vocab_divisor, int tp, int tp_rank) {
+absl::StatusOr<SplitResult> SplitTensor(const TensorInfo& t,
+                                        const LayoutRule& rule,
+                                        int64_t vocab_divisor, int tp,
+                                        int tp_rank) {
   const int dim = rule.split;
   const int64_t extent = t.shape[dim];
   SplitResult out;
-  auto piece = [&](int64_t local_begin, int64_t global_begin, int64_t len, bool zero) {
+  auto piece = [&](int64_t local_begin, int64_t global_begin, int64_t len,
+                   bool zero) {
     Shape local_origin(t.shape.size(), 0), global_origin(t.shape.size(), 0);
     Shape shape = t.shape;
     local_origin[dim] = local_begin;
     global_origin[dim] = global_begin;
     shape[dim] = len;
-    out.pieces.push_back({Box(local_origin, shape), Box(global_origin, shape), zero});
+    out.pieces.push_back(
+        {Box(local_origin, shape), Box(global_origin, shape), zero});
   };
   if (rule.vocab) {
     // Rows padded to a multiple of divisor * tp; the padding rows are zeros
@@ -41,14 +45,16 @@ absl::StatusOr<SplitResult> SplitTensor(const TensorInfo& t, const LayoutRule& r
     int64_t padded = (extent + multiple - 1) / multiple * multiple;
     out.local_extent = padded / tp;
     int64_t begin = tp_rank * out.local_extent;
-    int64_t data = std::max<int64_t>(0, std::min(extent, begin + out.local_extent) - begin);
+    int64_t data = std::max<int64_t>(
+        0, std::min(extent, begin + out.local_extent) - begin);
     if (data > 0) piece(0, begin, data, false);
     if (data < out.local_extent) piece(data, 0, out.local_extent - data, true);
     return out;
   }
   if (extent % rule.blocks != 0) {
-    return TensorError(t, absl::StrCat("dim ", dim, " (size ", extent,
-                                       ") does not hold ", rule.blocks, " equal blocks"));
+    return TensorError(
+        t, absl::StrCat("dim ", dim, " (size ", extent, ") does not hold ",
+                        rule.blocks, " equal blocks"));
   }
   const int64_t block = extent / rule.blocks;
   if (block % tp != 0) {
@@ -56,8 +62,9 @@ absl::StatusOr<SplitResult> SplitTensor(const TensorInfo& t, const LayoutRule& r
       return TensorError(t, absl::StrCat("dim ", dim, " (size ", extent,
                                          ") is not divisible by tp=", tp));
     }
-    return TensorError(t, absl::StrCat("dim ", dim, " holds ", rule.blocks,
-                                       " blocks of ", block, ", not divisible by tp=", tp));
+    return TensorError(
+        t, absl::StrCat("dim ", dim, " holds ", rule.blocks, " blocks of ",
+                        block, ", not divisible by tp=", tp));
   }
   const int64_t part = block / tp;
   for (int b = 0; b < rule.blocks; ++b) {
@@ -83,7 +90,8 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
     ASSIGN_OR_RETURN(TensorRule rule, layout.Classify(t.name));
     if (rule.layer) {
       if (*rule.layer >= (int64_t{1} << 32)) {
-        return TensorError(t, absl::StrCat("layer number ", *rule.layer, " is too large"));
+        return TensorError(
+            t, absl::StrCat("layer number ", *rule.layer, " is too large"));
       }
       p.num_layers_ = std::max(p.num_layers_, *rule.layer + 1);
     }
@@ -102,7 +110,8 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
     stage_first[s + 1] = stage_first[s] + p.layers_per_stage_[s];
   }
 
-  const int64_t vocab_divisor = layout.IntParam("make_vocab_size_divisible_by").value_or(1);
+  const int64_t vocab_divisor =
+      layout.IntParam("make_vocab_size_divisible_by").value_or(1);
   const std::optional<int64_t> vocab_size = layout.IntParam("vocab_size");
   p.groups_.resize(config.num_shard_groups());
 
@@ -111,27 +120,37 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
     const TensorRule& tr = rules[i];
     const LayoutRule& rule = *tr.rule;
     if (rule.split >= static_cast<int>(t.shape.size())) {
-      return TensorError(t, absl::StrCat("layout rule \"", rule.match, "\" splits dim ",
-                                         rule.split, " but the tensor has ", t.shape.size(),
-                                         " dims"));
+      return TensorError(
+          t, absl::StrCat("layout rule \"", rule.match, "\" splits dim ",
+                          rule.split, " but the tensor has ", t.shape.size(),
+                          " dims"));
     }
     if (rule.vocab && vocab_size && *vocab_size != t.shape[rule.split]) {
-      return TensorError(t, absl::StrCat("has ", t.shape[rule.split],
-                                         " vocabulary rows but vocab_size=", *vocab_size));
+      return TensorError(
+          t, absl::StrCat("has ", t.shape[rule.split],
+                          " vocabulary rows but vocab_size=", *vocab_size));
     }
     // Stages that hold the tensor.
     int first_stage = 0, last_stage = 0;
     int64_t local_layer = 0;
     if (tr.layer) {
-      auto it = std::upper_bound(stage_first.begin(), stage_first.end(), *tr.layer);
+      auto it =
+          std::upper_bound(stage_first.begin(), stage_first.end(), *tr.layer);
       first_stage = last_stage = static_cast<int>(it - stage_first.begin()) - 1;
       local_layer = *tr.layer - stage_first[first_stage];
     } else {
       switch (rule.stage) {
-        case StagePolicy::kFirst: first_stage = last_stage = 0; break;
-        case StagePolicy::kLast: first_stage = last_stage = config.pp() - 1; break;
+        case StagePolicy::kFirst:
+          first_stage = last_stage = 0;
+          break;
+        case StagePolicy::kLast:
+          first_stage = last_stage = config.pp() - 1;
+          break;
         case StagePolicy::kFirstAndLast:
-        case StagePolicy::kAll: first_stage = 0; last_stage = config.pp() - 1; break;
+        case StagePolicy::kAll:
+          first_stage = 0;
+          last_stage = config.pp() - 1;
+          break;
       }
     }
     std::string local_name = layout.LocalName(t.name, tr, local_layer);
@@ -146,15 +165,15 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
         shard.pieces.push_back({Box::Full(t.shape), Box::Full(t.shape), false});
         shard.bytes = full_bytes;
       } else {
-        ASSIGN_OR_RETURN(SplitResult split,
-                         SplitTensor(t, rule, vocab_divisor, config.tp(), tp_rank));
+        ASSIGN_OR_RETURN(SplitResult split, SplitTensor(t, rule, vocab_divisor,
+                                                        config.tp(), tp_rank));
         shard.local_shape[rule.split] = split.local_extent;
         shard.pieces = std::move(split.pieces);
         ASSIGN_OR_RETURN(shard.bytes, TensorBytes(shard.local_shape, t.dtype));
       }
       for (int s = first_stage; s <= last_stage; ++s) {
-        if (rule.stage == StagePolicy::kFirstAndLast && !tr.layer && s != first_stage &&
-            s != last_stage) {
+        if (rule.stage == StagePolicy::kFirstAndLast && !tr.layer &&
+            s != first_stage && s != last_stage) {
           continue;
         }
         Group& g = p.groups_[s * config.tp() + tp_rank];
@@ -168,8 +187,9 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
 
 int Placement::ShardIndex(int group, int tensor) const {
   const std::vector<TensorShard>& s = groups_[group].shards;
-  auto it = std::lower_bound(s.begin(), s.end(), tensor,
-                             [](const TensorShard& a, int t) { return a.tensor < t; });
+  auto it = std::lower_bound(
+      s.begin(), s.end(), tensor,
+      [](const TensorShard& a, int t) { return a.tensor < t; });
   if (it == s.end() || it->tensor != tensor) return -1;
   return static_cast<int>(it - s.begin());
 }

@@ -55,10 +55,14 @@ class Placement {
   const Model& model() const { return *model_; }
   int num_groups() const { return config_.num_shard_groups(); }
   int64_t num_layers() const { return num_layers_; }
-  const std::vector<int64_t>& layers_per_stage() const { return layers_per_stage_; }
+  const std::vector<int64_t>& layers_per_stage() const {
+    return layers_per_stage_;
+  }
 
   // The shards of a shard group, in model order.
-  const std::vector<TensorShard>& shards(int group) const { return groups_[group].shards; }
+  const std::vector<TensorShard>& shards(int group) const {
+    return groups_[group].shards;
+  }
   // The index in shards(group) of the model's tensor `tensor`, or -1.
   int ShardIndex(int group, int tensor) const;
   int64_t group_bytes(int group) const { return groups_[group].bytes; }

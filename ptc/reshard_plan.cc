@@ -53,18 +53,20 @@ absl::StatusOr<std::vector<TensorIndex>> BuildIndex(const Placement& from) {
   }
   for (int t = 0; t < model.size(); ++t) {
     std::vector<SourceInterval>& iv = index[t].intervals;
-    std::sort(iv.begin(), iv.end(), [](const SourceInterval& a, const SourceInterval& b) {
-      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-    });
+    std::sort(iv.begin(), iv.end(),
+              [](const SourceInterval& a, const SourceInterval& b) {
+                return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+              });
     std::vector<SourceInterval> merged;
     for (SourceInterval& i : iv) {
-      if (!merged.empty() && merged.back().begin == i.begin && merged.back().end == i.end) {
+      if (!merged.empty() && merged.back().begin == i.begin &&
+          merged.back().end == i.end) {
         merged.back().holders.push_back(i.holders.front());
         continue;
       }
       if (!merged.empty() && merged.back().end > i.begin) {
-        return absl::InternalError(absl::StrCat("tensor ", model.tensor(t).name,
-                                                ": old shards overlap partially"));
+        return absl::InternalError(absl::StrCat(
+            "tensor ", model.tensor(t).name, ": old shards overlap partially"));
       }
       merged.push_back(std::move(i));
     }
@@ -74,7 +76,8 @@ absl::StatusOr<std::vector<TensorIndex>> BuildIndex(const Placement& from) {
 }
 
 bool SamePieces(const TensorShard& a, const TensorShard& b) {
-  if (a.local_shape != b.local_shape || a.pieces.size() != b.pieces.size()) return false;
+  if (a.local_shape != b.local_shape || a.pieces.size() != b.pieces.size())
+    return false;
   for (size_t p = 0; p < a.pieces.size(); ++p) {
     const ShardPiece& x = a.pieces[p];
     const ShardPiece& y = b.pieces[p];
@@ -86,8 +89,8 @@ bool SamePieces(const TensorShard& a, const TensorShard& b) {
 
 // An old shard with the same pieces in the same local places as `dst`, so
 // that its bytes serve `dst` as they are; the preferred group wins ties.
-ShardRef FindIdentical(const Placement& from, const TensorIndex& ti, const TensorShard& dst,
-                       int preferred) {
+ShardRef FindIdentical(const Placement& from, const TensorIndex& ti,
+                       const TensorShard& dst, int preferred) {
   ShardRef found;
   auto consider = [&](ShardRef cand) {
     if (SamePieces(dst, from.shards(cand.group)[cand.shard]) &&
@@ -99,8 +102,9 @@ ShardRef FindIdentical(const Placement& from, const TensorIndex& ti, const Tenso
     if (piece.zero_fill) continue;
     // Candidates hold the first data piece's interval exactly.
     int64_t b = Span(piece.global, ti.dim).first;
-    auto it = std::lower_bound(ti.intervals.begin(), ti.intervals.end(), b,
-                               [](const SourceInterval& i, int64_t v) { return i.begin < v; });
+    auto it = std::lower_bound(
+        ti.intervals.begin(), ti.intervals.end(), b,
+        [](const SourceInterval& i, int64_t v) { return i.begin < v; });
     if (it != ti.intervals.end() && it->begin == b) {
       for (const SourceInterval::Holder& h : it->holders) consider(h.shard);
     }
@@ -129,8 +133,9 @@ int64_t ContiguousRun(const Box& box, const Shape& shape, const Shape& idx) {
 
 }  // namespace
 
-absl::StatusOr<ReshardPlan> ReshardPlan::Create(std::shared_ptr<const Placement> from,
-                                                std::shared_ptr<const Placement> to) {
+absl::StatusOr<ReshardPlan> ReshardPlan::Create(
+    std::shared_ptr<const Placement> from,
+    std::shared_ptr<const Placement> to) {
   const Model& model = from->model();
   if (&model != &to->model()) {
     if (model.size() != to->model().size()) {
@@ -140,8 +145,8 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(std::shared_ptr<const Placement>
       const TensorInfo& a = model.tensor(t);
       const TensorInfo& b = to->model().tensor(t);
       if (a.name != b.name || a.dtype != b.dtype || a.shape != b.shape) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("placements are of different models: tensor ", a.name));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "placements are of different models: tensor ", a.name));
       }
     }
   }
@@ -157,7 +162,8 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(std::shared_ptr<const Placement>
     // Prefer the old shard group of the same-numbered rank (dp_rank 0 of this
     // group): its bytes are already where they are needed.
     const int first_rank = cto.Rank({g % cto.tp(), 0, g / cto.tp()});
-    const int preferred = first_rank < cfrom.world_size() ? cfrom.ShardGroup(first_rank) : -1;
+    const int preferred =
+        first_rank < cfrom.world_size() ? cfrom.ShardGroup(first_rank) : -1;
     GroupPlan& gp = plan.groups_[g];
     const std::vector<TensorShard>& shards = to->shards(g);
     gp.ops.resize(shards.size());
@@ -182,7 +188,8 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(std::shared_ptr<const Placement>
           for (const SourceInterval::Holder& cand : it->holders) {
             if (cand.shard.group == preferred) h = &cand;
           }
-          const ShardPiece& sp = from->shards(h->shard.group)[h->shard.shard].pieces[h->piece];
+          const ShardPiece& sp =
+              from->shards(h->shard.group)[h->shard.shard].pieces[h->piece];
           Box common = Intersect(piece.global, sp.global);
           Shape dst_origin = common.origin(), src_origin = common.origin();
           for (int d = 0; d < common.rank(); ++d) {
@@ -194,9 +201,9 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(std::shared_ptr<const Placement>
           covered = it->end;
         }
         if (covered < e) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "tensor ", model.tensor(dst.tensor).name, ": no old shard holds ",
-              piece.global.ToString()));
+          return absl::InvalidArgumentError(
+              absl::StrCat("tensor ", model.tensor(dst.tensor).name,
+                           ": no old shard holds ", piece.global.ToString()));
         }
       }
       gp.in_place[k] = FindIdentical(*from, ti, dst, preferred);
@@ -205,16 +212,15 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(std::shared_ptr<const Placement>
   return plan;
 }
 
-absl::StatusOr<std::vector<Segment>> ReshardPlan::Resolve(int group, int shard,
-                                                          int64_t offset,
-                                                          int64_t length) const {
+absl::StatusOr<std::vector<Segment>> ReshardPlan::Resolve(
+    int group, int shard, int64_t offset, int64_t length) const {
   const TensorShard& dst = to_->shards(group)[shard];
   const int64_t elem = DTypeSize(to_->model().tensor(dst.tensor).dtype);
   ASSIGN_OR_RETURN(int64_t end, CheckedAdd(offset, length));
   if (offset < 0 || length < 0 || end > dst.bytes) {
     return absl::OutOfRangeError(absl::StrCat("byte range [", offset, ", ", end,
-                                              ") is outside the shard of ", dst.bytes,
-                                              " bytes"));
+                                              ") is outside the shard of ",
+                                              dst.bytes, " bytes"));
   }
   const std::vector<CopyOp>& ops = groups_[group].ops[shard];
   const Shape dst_strides = RowMajorStrides(dst.local_shape);
@@ -239,7 +245,8 @@ absl::StatusOr<std::vector<Segment>> ReshardPlan::Resolve(int group, int shard,
       op_index = 0;
       while (op_index < ops.size() && !inside(ops[op_index])) ++op_index;
       if (op_index == ops.size()) {
-        return absl::InternalError("plan leaves a destination element uncovered");
+        return absl::InternalError(
+            "plan leaves a destination element uncovered");
       }
     }
     const CopyOp& op = ops[op_index];
@@ -255,16 +262,18 @@ absl::StatusOr<std::vector<Segment>> ReshardPlan::Resolve(int group, int shard,
         src_idx[d] = op.src_origin[d] + idx[d] - op.dst.begin(d);
         src_element += src_idx[d] * src_strides[d];
       }
-      run = std::min(run, ContiguousRun(Box(op.src_origin, op.dst.shape()), src.local_shape,
-                                        src_idx));
+      run = std::min(run, ContiguousRun(Box(op.src_origin, op.dst.shape()),
+                                        src.local_shape, src_idx));
       seg.src_offset = src_element * elem + intra;
     }
     seg.length = std::min(run * elem - intra, end - pos);
     // Adjacent segments that continue each other merge into one.
     if (!out.empty()) {
       Segment& last = out.back();
-      if (last.src == seg.src && last.dst_offset + last.length == seg.dst_offset &&
-          (!seg.src.valid() || last.src_offset + last.length == seg.src_offset)) {
+      if (last.src == seg.src &&
+          last.dst_offset + last.length == seg.dst_offset &&
+          (!seg.src.valid() ||
+           last.src_offset + last.length == seg.src_offset)) {
         last.length += seg.length;
         pos += seg.length;
         continue;
@@ -322,7 +331,8 @@ PlanSummary ReshardPlan::Summarize() const {
   for (int g = 0; g < to_->num_groups(); ++g) {
     const std::vector<TensorShard>& shards = to_->shards(g);
     for (size_t k = 0; k < shards.size(); ++k) {
-      if (!groups_[g].in_place[k].valid()) summary.bytes_to_move += shards[k].bytes;
+      if (!groups_[g].in_place[k].valid())
+        summary.bytes_to_write += shards[k].bytes;
     }
   }
   return summary;

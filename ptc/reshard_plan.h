@@ -5,7 +5,8 @@
 //
 //   ASSIGN_OR_RETURN(ReshardPlan plan, ReshardPlan::Create(from, to));
 //   for (const CopyOp& op : plan.ops(group, shard)) ...   // dst box <- src box
-//   ASSIGN_OR_RETURN(auto segments, plan.Resolve(group, shard, offset, length));
+//   ASSIGN_OR_RETURN(auto segments, plan.Resolve(group, shard, offset,
+//   length));
 #ifndef SCALAI_PTC_RESHARD_PLAN_H_
 #define SCALAI_PTC_RESHARD_PLAN_H_
 
@@ -47,8 +48,9 @@ struct Segment {
 
 struct RankTraffic {
   int rank = 0;
-  int64_t bytes_total = 0;    // the rank's new shard
-  int64_t bytes_kept = 0;     // held by the same-numbered old rank (or zero padding)
+  int64_t bytes_total = 0;  // the rank's new shard
+  int64_t bytes_kept =
+      0;  // held by the same-numbered old rank (or zero padding)
   int64_t bytes_fetched = 0;  // the rest: read from other ranks' shards
 };
 
@@ -58,15 +60,16 @@ struct PlanSummary {
   int64_t bytes_fetched = 0;
   // Bytes of new shards, replicas counted once, that no old shard holds
   // identically: what materialization must write at least.
-  int64_t bytes_to_move = 0;
+  int64_t bytes_to_write = 0;
   std::vector<RankTraffic> ranks;
 };
 
 class ReshardPlan {
  public:
   // Both placements must be of the same model (names, dtypes, shapes).
-  static absl::StatusOr<ReshardPlan> Create(std::shared_ptr<const Placement> from,
-                                            std::shared_ptr<const Placement> to);
+  static absl::StatusOr<ReshardPlan> Create(
+      std::shared_ptr<const Placement> from,
+      std::shared_ptr<const Placement> to);
 
   const Placement& from() const { return *from_; }
   const Placement& to() const { return *to_; }
@@ -85,7 +88,8 @@ class ReshardPlan {
 
   // The segments that fill bytes [offset, offset + length) of the destination
   // shard, in order and without gaps.
-  absl::StatusOr<std::vector<Segment>> Resolve(int group, int shard, int64_t offset,
+  absl::StatusOr<std::vector<Segment>> Resolve(int group, int shard,
+                                               int64_t offset,
                                                int64_t length) const;
 
   PlanSummary Summarize() const;

@@ -46,7 +46,8 @@ bool AsIndex(const json& j, int64_t* out) {
   return false;
 }
 
-absl::StatusOr<SafetensorsEntry> ParseEntry(const std::string& name, const json& j) {
+absl::StatusOr<SafetensorsEntry> ParseEntry(const std::string& name,
+                                            const json& j) {
   if (name.empty()) return HeaderError("a tensor has an empty name");
   if (!j.is_object()) return EntryError(name, "entry is not an object");
   for (const auto& [key, value] : j.items()) {
@@ -68,26 +69,31 @@ absl::StatusOr<SafetensorsEntry> ParseEntry(const std::string& name, const json&
   for (const json& d : j["shape"]) {
     int64_t extent;
     if (!AsIndex(d, &extent)) {
-      return EntryError(name, "\"shape\" holds something other than non-negative integers");
+      return EntryError(
+          name, "\"shape\" holds something other than non-negative integers");
     }
     e.shape.push_back(extent);
   }
   if (!j.contains("data_offsets") || !j["data_offsets"].is_array() ||
-      j["data_offsets"].size() != 2 || !AsIndex(j["data_offsets"][0], &e.data_begin) ||
+      j["data_offsets"].size() != 2 ||
+      !AsIndex(j["data_offsets"][0], &e.data_begin) ||
       !AsIndex(j["data_offsets"][1], &e.data_end)) {
-    return EntryError(name, "\"data_offsets\" must be [begin, end] of non-negative integers");
+    return EntryError(
+        name, "\"data_offsets\" must be [begin, end] of non-negative integers");
   }
   if (e.data_end < e.data_begin) {
-    return EntryError(name, absl::StrCat("data_offsets [", e.data_begin, ", ", e.data_end,
-                                         "] end before they begin"));
+    return EntryError(
+        name, absl::StrCat("data_offsets [", e.data_begin, ", ", e.data_end,
+                           "] end before they begin"));
   }
   auto bytes = TensorBytes(e.shape, e.dtype);
   if (!bytes.ok()) return EntryError(name, bytes.status().message());
   if (*bytes != e.data_end - e.data_begin) {
-    return EntryError(name, absl::StrCat(ShapeToString(e.shape), " of ", DTypeName(e.dtype),
-                                         " is ", *bytes, " bytes but data_offsets [",
-                                         e.data_begin, ", ", e.data_end, "] hold ",
-                                         e.data_end - e.data_begin));
+    return EntryError(
+        name,
+        absl::StrCat(ShapeToString(e.shape), " of ", DTypeName(e.dtype), " is ",
+                     *bytes, " bytes but data_offsets [", e.data_begin, ", ",
+                     e.data_end, "] hold ", e.data_end - e.data_begin));
   }
   return e;
 }
@@ -97,25 +103,30 @@ absl::StatusOr<SafetensorsEntry> ParseEntry(const std::string& name, const json&
 absl::StatusOr<int64_t> SafetensorsHeader::ParseLength(absl::string_view first8,
                                                        int64_t file_size) {
   if (file_size < 8 || first8.size() < 8) {
-    return HeaderError(absl::StrCat("file is ", file_size,
-                                    " bytes, too short for the 8-byte header length"));
+    return HeaderError(
+        absl::StrCat("file is ", file_size,
+                     " bytes, too short for the 8-byte header length"));
   }
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(first8[i]);
   if (n > static_cast<uint64_t>(kMaxHeaderBytes)) {
-    return HeaderError(absl::StrCat("header length ", n, " exceeds the limit of ",
-                                    kMaxHeaderBytes, " bytes"));
+    return HeaderError(absl::StrCat("header length ", n,
+                                    " exceeds the limit of ", kMaxHeaderBytes,
+                                    " bytes"));
   }
   if (static_cast<int64_t>(n) + 8 > file_size) {
-    return HeaderError(absl::StrCat("header length ", n, " runs past the end of the file (",
+    return HeaderError(absl::StrCat("header length ", n,
+                                    " runs past the end of the file (",
                                     file_size, " bytes)"));
   }
-  if (n < 2) return HeaderError(absl::StrCat("header length ", n, " cannot hold a JSON object"));
+  if (n < 2)
+    return HeaderError(
+        absl::StrCat("header length ", n, " cannot hold a JSON object"));
   return static_cast<int64_t>(n);
 }
 
-absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view prefix,
-                                                           int64_t file_size) {
+absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(
+    absl::string_view prefix, int64_t file_size) {
   ASSIGN_OR_RETURN(int64_t n, ParseLength(prefix, file_size));
   if (static_cast<int64_t>(prefix.size()) < 8 + n) {
     return HeaderError(absl::StrCat("only ", prefix.size(), " of ", 8 + n,
@@ -126,7 +137,8 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view pre
   // name is an error here, so top-level keys are checked as they are parsed.
   std::set<std::string> seen;
   std::string duplicate;
-  json::parser_callback_t check_keys = [&](int depth, json::parse_event_t event, json& parsed) {
+  json::parser_callback_t check_keys = [&](int depth, json::parse_event_t event,
+                                           json& parsed) {
     if (event == json::parse_event_t::key && depth == 1) {
       if (!seen.insert(parsed.get<std::string>()).second && duplicate.empty()) {
         duplicate = parsed.get<std::string>();
@@ -137,7 +149,8 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view pre
   json j = json::parse(text, check_keys, /*allow_exceptions=*/false);
   if (j.is_discarded()) return HeaderError("not valid JSON");
   if (!duplicate.empty()) {
-    return HeaderError(absl::StrCat("tensor \"", duplicate, "\" appears twice"));
+    return HeaderError(
+        absl::StrCat("tensor \"", duplicate, "\" appears twice"));
   }
   if (!j.is_object()) return HeaderError("not a JSON object");
 
@@ -146,10 +159,12 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view pre
   h.data_bytes_ = file_size - h.data_start_;
   for (const auto& [name, value] : j.items()) {
     if (name == "__metadata__") {
-      if (!value.is_object()) return HeaderError("__metadata__ is not an object");
+      if (!value.is_object())
+        return HeaderError("__metadata__ is not an object");
       for (const auto& [key, v] : value.items()) {
         if (!v.is_string()) {
-          return HeaderError(absl::StrCat("__metadata__ \"", key, "\" is not a string"));
+          return HeaderError(
+              absl::StrCat("__metadata__ \"", key, "\" is not a string"));
         }
         h.metadata_[key] = v.get<std::string>();
       }
@@ -167,14 +182,16 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view pre
   const SafetensorsEntry* previous = nullptr;
   for (const SafetensorsEntry& e : h.tensors_) {
     if (e.data_begin < expected) {
-      return EntryError(e.name, absl::StrCat("data_offsets [", e.data_begin, ", ", e.data_end,
-                                             "] overlap tensor \"", previous->name, "\" [",
-                                             previous->data_begin, ", ", previous->data_end,
-                                             "]"));
+      return EntryError(
+          e.name,
+          absl::StrCat("data_offsets [", e.data_begin, ", ", e.data_end,
+                       "] overlap tensor \"", previous->name, "\" [",
+                       previous->data_begin, ", ", previous->data_end, "]"));
     }
     if (e.data_begin > expected) {
-      return EntryError(e.name, absl::StrCat("data starts at ", e.data_begin, " leaving a hole",
-                                             " after byte ", expected));
+      return EntryError(
+          e.name, absl::StrCat("data starts at ", e.data_begin,
+                               " leaving a hole", " after byte ", expected));
     }
     expected = e.data_end;
     previous = &e;
@@ -185,14 +202,16 @@ absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Parse(absl::string_view pre
                                                    h.data_bytes_, " bytes"));
   }
   if (expected < h.data_bytes_) {
-    return HeaderError(absl::StrCat("the data section has ", h.data_bytes_ - expected,
+    return HeaderError(absl::StrCat("the data section has ",
+                                    h.data_bytes_ - expected,
                                     " bytes after the last tensor"));
   }
   return h;
 }
 
 absl::StatusOr<SafetensorsHeader> SafetensorsHeader::Build(
-    std::vector<SafetensorsEntry> tensors, std::map<std::string, std::string> metadata) {
+    std::vector<SafetensorsEntry> tensors,
+    std::map<std::string, std::string> metadata) {
   SafetensorsHeader h;
   std::set<absl::string_view> names;
   int64_t offset = 0;
@@ -234,9 +253,9 @@ std::string SafetensorsHeader::Serialize() const {
   for (const SafetensorsEntry& e : tensors_) {
     if (!first) text += ',';
     first = false;
-    absl::StrAppend(&text, json(e.name).dump(), ":{\"dtype\":\"", DTypeName(e.dtype),
-                    "\",\"shape\":", json(e.shape).dump(), ",\"data_offsets\":[",
-                    e.data_begin, ",", e.data_end, "]}");
+    absl::StrAppend(&text, json(e.name).dump(), ":{\"dtype\":\"",
+                    DTypeName(e.dtype), "\",\"shape\":", json(e.shape).dump(),
+                    ",\"data_offsets\":[", e.data_begin, ",", e.data_end, "]}");
   }
   text += '}';
   while ((text.size() + 8) % 8 != 0) text += ' ';
@@ -246,30 +265,41 @@ std::string SafetensorsHeader::Serialize() const {
   return out + text;
 }
 
-absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path) {
+absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(
+    const std::string& path) {
   int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("open ", path));
   absl::Cleanup closer = [fd] { close(fd); };
   struct stat st;
-  if (fstat(fd, &st) != 0) return absl::ErrnoToStatus(errno, absl::StrCat("stat ", path));
-  auto read_at = [&](int64_t offset, int64_t length) -> absl::StatusOr<std::string> {
+  if (fstat(fd, &st) != 0)
+    return absl::ErrnoToStatus(errno, absl::StrCat("stat ", path));
+  auto read_at = [&](int64_t offset,
+                     int64_t length) -> absl::StatusOr<std::string> {
     std::string buf(length, '\0');
     int64_t done = 0;
     while (done < length) {
       ssize_t got = pread(fd, buf.data() + done, length - done, offset + done);
       if (got < 0 && errno == EINTR) continue;
-      if (got < 0) return absl::ErrnoToStatus(errno, absl::StrCat("read ", path));
-      if (got == 0) return absl::DataLossError(absl::StrCat(path, ": file shrank while read"));
+      if (got < 0)
+        return absl::ErrnoToStatus(errno, absl::StrCat("read ", path));
+      if (got == 0)
+        return absl::DataLossError(
+            absl::StrCat(path, ": file shrank while read"));
       done += got;
     }
     return buf;
   };
-  ASSIGN_OR_RETURN(std::string first8, read_at(0, std::min<int64_t>(8, st.st_size)));
+  ASSIGN_OR_RETURN(std::string first8,
+                   read_at(0, std::min<int64_t>(8, st.st_size)));
   auto length = SafetensorsHeader::ParseLength(first8, st.st_size);
-  if (!length.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", length.status().message()));
+  if (!length.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", length.status().message()));
   ASSIGN_OR_RETURN(std::string prefix, read_at(0, 8 + *length));
   auto header = SafetensorsHeader::Parse(prefix, st.st_size);
-  if (!header.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", header.status().message()));
+  if (!header.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", header.status().message()));
   return header;
 }
 

@@ -3,19 +3,20 @@
 // "__metadata__" of strings, then the tensors' bytes with no holes or overlaps.
 // Parsing is strict, because headers come from files Scalai did not write.
 //
-//   ASSIGN_OR_RETURN(SafetensorsHeader h, SafetensorsHeader::Parse(prefix, file_size));
-//   for (const SafetensorsEntry& e : h.tensors()) ...  // e.data_begin + h.data_start()
-//   std::string bytes = SafetensorsHeader::Build(entries, metadata)->Serialize();
+//   ASSIGN_OR_RETURN(SafetensorsHeader h, SafetensorsHeader::Parse(prefix,
+//   file_size)); for (const SafetensorsEntry& e : h.tensors()) ...  //
+//   e.data_begin + h.data_start() std::string bytes =
+//   SafetensorsHeader::Build(entries, metadata)->Serialize();
 #ifndef SCALAI_PTC_SAFETENSORS_H_
 #define SCALAI_PTC_SAFETENSORS_H_
 
 #include <cstdint>
 #include <map>
 #include <string>
-#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "ptc/box.h"
 #include "ptc/dtype.h"
 
@@ -27,7 +28,8 @@ struct SafetensorsEntry {
   Shape shape;
   int64_t data_begin = 0;  // relative to the start of the data section
   int64_t data_end = 0;
-  friend bool operator==(const SafetensorsEntry&, const SafetensorsEntry&) = default;
+  friend bool operator==(const SafetensorsEntry&,
+                         const SafetensorsEntry&) = default;
 };
 
 class SafetensorsHeader {
@@ -37,19 +39,24 @@ class SafetensorsHeader {
 
   // The JSON length from the first 8 bytes of a file of `file_size` bytes,
   // checked against the file size and kMaxHeaderBytes.
-  static absl::StatusOr<int64_t> ParseLength(absl::string_view first8, int64_t file_size);
+  static absl::StatusOr<int64_t> ParseLength(absl::string_view first8,
+                                             int64_t file_size);
 
   // Parses `prefix`, the file's first data_start() bytes (at least the 8-byte
   // length and the whole JSON), of a file of `file_size` bytes.
-  static absl::StatusOr<SafetensorsHeader> Parse(absl::string_view prefix, int64_t file_size);
+  static absl::StatusOr<SafetensorsHeader> Parse(absl::string_view prefix,
+                                                 int64_t file_size);
 
   // A header for tensors laid out back to back in the given order.
   static absl::StatusOr<SafetensorsHeader> Build(
-      std::vector<SafetensorsEntry> tensors, std::map<std::string, std::string> metadata);
+      std::vector<SafetensorsEntry> tensors,
+      std::map<std::string, std::string> metadata);
 
   // Tensors in the order of their data.
   const std::vector<SafetensorsEntry>& tensors() const { return tensors_; }
-  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const std::map<std::string, std::string>& metadata() const {
+    return metadata_;
+  }
   // Offset of the data section in the file: 8 + JSON length.
   int64_t data_start() const { return data_start_; }
   int64_t data_bytes() const { return data_bytes_; }
@@ -68,7 +75,8 @@ class SafetensorsHeader {
 };
 
 // Reads and parses the header of the safetensors file at `path`.
-absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const std::string& path);
+absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(
+    const std::string& path);
 
 }  // namespace scalai
 

@@ -8,11 +8,13 @@
 namespace scalai {
 
 void ModelOptions::Register(CLI::App* app) {
-  app->add_option("--layout", layout, "layout preset (megatron-core-gpt, hf-llama) or JSON file")
+  app->add_option("--layout", layout,
+                  "layout preset (megatron-core-gpt, hf-llama) or JSON file")
       ->required();
   app->add_option("--param", params, "layout parameter k=v (repeatable)");
   app->add_option("--model", model,
-                  "model sizes: layers=,hidden=,heads=,vocab= [groups=,ffn=,bias=,optimizer=adam,"
+                  "model sizes: layers=,hidden=,heads=,vocab= "
+                  "[groups=,ffn=,bias=,optimizer=adam,"
                   "<layout param>=]")
       ->required();
   app->add_option("--dtype", dtype, "parameter dtype (bf16, f16, f32, ...)")
@@ -24,19 +26,23 @@ absl::StatusOr<LoadedModel> ModelOptions::Load() const {
   for (const std::string& kv : params) {
     size_t eq = kv.find('=');
     if (eq == std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("--param \"", kv, "\": expected k=v"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--param \"", kv, "\": expected k=v"));
     }
-    RETURN_IF_ERROR(loaded_layout.SetParam(kv.substr(0, eq), kv.substr(eq + 1)));
+    RETURN_IF_ERROR(
+        loaded_layout.SetParam(kv.substr(0, eq), kv.substr(eq + 1)));
   }
   ASSIGN_OR_RETURN(ModelSpec spec, ModelSpec::Parse(model));
   RETURN_IF_ERROR(spec.ApplyParams(loaded_layout));
   ASSIGN_OR_RETURN(DType parsed_dtype, ParseDType(dtype));
   ASSIGN_OR_RETURN(Model built, spec.Build(loaded_layout, parsed_dtype));
-  return LoadedModel{std::move(loaded_layout), std::make_shared<const Model>(std::move(built))};
+  return LoadedModel{std::move(loaded_layout),
+                     std::make_shared<const Model>(std::move(built))};
 }
 
 std::string HumanBytes(int64_t bytes) {
-  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  static constexpr const char* kUnits[] = {"B",   "KiB", "MiB",
+                                           "GiB", "TiB", "PiB"};
   double value = static_cast<double>(bytes);
   int unit = 0;
   while (value >= 1024 && unit < 5) {

@@ -22,8 +22,8 @@ struct PlanOptions {
   bool json = false;
 };
 
-absl::StatusOr<std::shared_ptr<const Placement>> Place(const LoadedModel& m,
-                                                       const std::string& text) {
+absl::StatusOr<std::shared_ptr<const Placement>> Place(
+    const LoadedModel& m, const std::string& text) {
   ASSIGN_OR_RETURN(ParallelConfig config, ParallelConfig::Parse(text));
   ASSIGN_OR_RETURN(Placement p, Placement::Create(m.layout, m.model, config));
   return std::make_shared<const Placement>(std::move(p));
@@ -36,7 +36,7 @@ void PrintJson(const ReshardPlan& plan, const PlanSummary& s) {
       {"bytes_total", s.bytes_total},
       {"bytes_kept", s.bytes_kept},
       {"bytes_fetched", s.bytes_fetched},
-      {"bytes_to_move", s.bytes_to_move},
+      {"bytes_to_write", s.bytes_to_write},
       {"ranks", nlohmann::json::array()},
   };
   for (const RankTraffic& r : s.ranks) {
@@ -48,7 +48,8 @@ void PrintJson(const ReshardPlan& plan, const PlanSummary& s) {
   std::printf("%s\n", j.dump(2).c_str());
 }
 
-void PrintTable(const LoadedModel& m, const ReshardPlan& plan, const PlanSummary& s) {
+void PrintTable(const LoadedModel& m, const ReshardPlan& plan,
+                const PlanSummary& s) {
   const ParallelConfig& from = plan.from().config();
   const ParallelConfig& to = plan.to().config();
   std::printf("plan %s: %s -> %s (world %d -> %d)\n", m.layout.name().c_str(),
@@ -59,13 +60,17 @@ void PrintTable(const LoadedModel& m, const ReshardPlan& plan, const PlanSummary
               HumanBytes(m.model->total_bytes()).c_str());
   std::printf("%7s %14s %14s %14s\n", "rank", "shard", "kept", "fetched");
   for (const RankTraffic& r : s.ranks) {
-    std::printf("%7d %14s %14s %14s\n", r.rank, HumanBytes(r.bytes_total).c_str(),
-                HumanBytes(r.bytes_kept).c_str(), HumanBytes(r.bytes_fetched).c_str());
+    std::printf(
+        "%7d %14s %14s %14s\n", r.rank, HumanBytes(r.bytes_total).c_str(),
+        HumanBytes(r.bytes_kept).c_str(), HumanBytes(r.bytes_fetched).c_str());
   }
-  std::printf("%7s %14s %14s %14s\n", "total", HumanBytes(s.bytes_total).c_str(),
-              HumanBytes(s.bytes_kept).c_str(), HumanBytes(s.bytes_fetched).c_str());
-  std::printf("to move: %s (new shards, replicas once, that no old shard holds in place)\n",
-              HumanBytes(s.bytes_to_move).c_str());
+  std::printf(
+      "%7s %14s %14s %14s\n", "total", HumanBytes(s.bytes_total).c_str(),
+      HumanBytes(s.bytes_kept).c_str(), HumanBytes(s.bytes_fetched).c_str());
+  std::printf(
+      "to write: %s (new shards, replicas once, that no old shard holds as "
+      "is)\n",
+      HumanBytes(s.bytes_to_write).c_str());
 }
 
 absl::Status RunPlan(const PlanOptions& o) {
@@ -86,10 +91,12 @@ absl::Status RunPlan(const PlanOptions& o) {
 
 Command AddPlanCommand(CLI::App& root) {
   auto o = std::make_shared<PlanOptions>();
-  CLI::App* app = root.add_subcommand(
-      "plan", "Print the bytes each rank keeps and fetches to move between two configs");
+  CLI::App* app = root.add_subcommand("plan",
+                                      "Print the bytes each rank keeps and "
+                                      "fetches to move between two configs");
   o->model.Register(app);
-  app->add_option("--from", o->from, "current config, e.g. tp=2,pp=2,dp=2")->required();
+  app->add_option("--from", o->from, "current config, e.g. tp=2,pp=2,dp=2")
+      ->required();
   app->add_option("--to", o->to, "new config")->required();
   app->add_flag("--json", o->json, "machine-readable output");
   return {app, [o] { return RunPlan(*o); }};

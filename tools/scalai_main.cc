@@ -8,9 +8,10 @@
 #include "tools/command.h"
 
 int main(int argc, char** argv) {
-  CLI::App root("Scalai: a job's training state as a parallelizable tensor collection, "
-                "mounted as files that re-slice themselves when tp, pp or dp change.",
-                "scalai");
+  CLI::App root(
+      "Scalai: a job's training state as a parallelizable tensor collection, "
+      "mounted as files that re-slice themselves when tp, pp or dp change.",
+      "scalai");
   root.require_subcommand(1);
   root.set_version_flag("--version", "scalai 0.1.0");
   std::vector<scalai::Command> commands = {

@@ -29,7 +29,8 @@ uint16_t FloatToHalf(float f) {
   int exponent = static_cast<int>((bits >> 23) & 0xff) - 127 + 15;
   if (exponent <= 0) return sign;  // too small for a normal half: zero
   if (exponent >= 31) return sign | 0x7bff;
-  return sign | static_cast<uint16_t>(exponent << 10) | static_cast<uint16_t>((bits >> 13) & 0x3ff);
+  return sign | static_cast<uint16_t>(exponent << 10) |
+         static_cast<uint16_t>((bits >> 13) & 0x3ff);
 }
 
 template <typename T>
@@ -38,7 +39,8 @@ void Put(std::byte* out, int64_t i, T value) {
 }
 
 // Writes `data` of `size` bytes to `file`, naming `path` on failure.
-absl::Status WriteAll(std::FILE* file, const void* data, size_t size, const std::string& path) {
+absl::Status WriteAll(std::FILE* file, const void* data, size_t size,
+                      const std::string& path) {
   if (size > 0 && std::fwrite(data, 1, size, file) != size) {
     return absl::ErrnoToStatus(errno, absl::StrCat("write ", path));
   }
@@ -48,10 +50,12 @@ absl::Status WriteAll(std::FILE* file, const void* data, size_t size, const std:
 // Writes a safetensors file whose tensor bytes `fill(i, buffer)` produces, via
 // a temporary name so that a failed run leaves no half-written file behind.
 template <typename Fill>
-absl::Status WriteFile(const std::string& path, const SafetensorsHeader& header, Fill fill) {
+absl::Status WriteFile(const std::string& path, const SafetensorsHeader& header,
+                       Fill fill) {
   std::string tmp = path + ".tmp";
   std::FILE* file = std::fopen(tmp.c_str(), "wb");
-  if (file == nullptr) return absl::ErrnoToStatus(errno, absl::StrCat("create ", tmp));
+  if (file == nullptr)
+    return absl::ErrnoToStatus(errno, absl::StrCat("create ", tmp));
   absl::Cleanup remove_tmp = [&] { std::remove(tmp.c_str()); };
   absl::Status status = [&]() -> absl::Status {
     std::string head = header.Serialize();
@@ -70,7 +74,8 @@ absl::Status WriteFile(const std::string& path, const SafetensorsHeader& header,
   }
   RETURN_IF_ERROR(status);
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("rename ", tmp, " to ", path));
+    return absl::ErrnoToStatus(errno,
+                               absl::StrCat("rename ", tmp, " to ", path));
   }
   std::move(remove_tmp).Cancel();
   return absl::OkStatus();
@@ -78,42 +83,59 @@ absl::Status WriteFile(const std::string& path, const SafetensorsHeader& header,
 
 }  // namespace
 
-void FillSynthValues(uint64_t seed, absl::string_view name, DType dtype, int64_t first,
-                     int64_t count, std::byte* out) {
+void FillSynthValues(uint64_t seed, absl::string_view name, DType dtype,
+                     int64_t first, int64_t count, std::byte* out) {
   const uint64_t key = XXH3_64bits_withSeed(name.data(), name.size(), seed);
   for (int64_t i = 0; i < count; ++i) {
-    const uint64_t r = SplitMix64(key ^ SplitMix64(static_cast<uint64_t>(first + i)));
+    const uint64_t r =
+        SplitMix64(key ^ SplitMix64(static_cast<uint64_t>(first + i)));
     // Uniform in [-1, 1) with 24 bits of precision.
-    const float f = static_cast<float>(static_cast<int64_t>(r >> 40) - (1 << 23)) * 0x1p-23f;
+    const float f =
+        static_cast<float>(static_cast<int64_t>(r >> 40) - (1 << 23)) *
+        0x1p-23f;
     switch (dtype) {
-      case DType::kF64: Put(out, i, static_cast<double>(f)); break;
-      case DType::kF32: Put(out, i, f); break;
-      case DType::kF16: Put(out, i, FloatToHalf(f)); break;
-      case DType::kBF16: Put(out, i, static_cast<uint16_t>(std::bit_cast<uint32_t>(f) >> 16)); break;
+      case DType::kF64:
+        Put(out, i, static_cast<double>(f));
+        break;
+      case DType::kF32:
+        Put(out, i, f);
+        break;
+      case DType::kF16:
+        Put(out, i, FloatToHalf(f));
+        break;
+      case DType::kBF16:
+        Put(out, i, static_cast<uint16_t>(std::bit_cast<uint32_t>(f) >> 16));
+        break;
       case DType::kF8E4M3:
       case DType::kF8E5M2:
         // Below 0x70 in magnitude neither format has an infinity or NaN.
         Put(out, i, static_cast<uint8_t>(((r >> 8) % 0x70) | (r & 0x80)));
         break;
-      case DType::kBool: Put(out, i, static_cast<uint8_t>(r & 1)); break;
-      default: std::memcpy(out + i * DTypeSize(dtype), &r, DTypeSize(dtype)); break;
+      case DType::kBool:
+        Put(out, i, static_cast<uint8_t>(r & 1));
+        break;
+      default:
+        std::memcpy(out + i * DTypeSize(dtype), &r, DTypeSize(dtype));
+        break;
     }
   }
 }
 
-absl::Status WriteSynthShard(const Placement& placement, int rank, uint64_t seed,
-                             const std::string& path) {
+absl::Status WriteSynthShard(const Placement& placement, int rank,
+                             uint64_t seed, const std::string& path) {
   const Model& model = placement.model();
   const std::vector<TensorShard>& shards =
       placement.shards(placement.config().ShardGroup(rank));
   std::vector<SafetensorsEntry> entries;
   for (const TensorShard& s : shards) {
-    entries.push_back({s.local_name, model.tensor(s.tensor).dtype, s.local_shape, 0, 0});
+    entries.push_back(
+        {s.local_name, model.tensor(s.tensor).dtype, s.local_shape, 0, 0});
   }
   ASSIGN_OR_RETURN(SafetensorsHeader header,
-                   SafetensorsHeader::Build(std::move(entries),
-                                            {{"scalai.rank", absl::StrCat(rank)},
-                                             {"scalai.config", placement.config().ToString()}}));
+                   SafetensorsHeader::Build(
+                       std::move(entries),
+                       {{"scalai.rank", absl::StrCat(rank)},
+                        {"scalai.config", placement.config().ToString()}}));
   return WriteFile(path, header, [&](size_t i, std::byte* out) {
     const TensorShard& s = shards[i];
     const TensorInfo& t = model.tensor(s.tensor);
@@ -122,7 +144,8 @@ absl::Status WriteSynthShard(const Placement& placement, int rank, uint64_t seed
     const Shape global_strides = RowMajorStrides(t.shape);
     const int rank_dims = static_cast<int>(t.shape.size());
     for (const ShardPiece& piece : s.pieces) {
-      if (piece.zero_fill || piece.local.empty()) continue;  // the buffer starts zeroed
+      if (piece.zero_fill || piece.local.empty())
+        continue;  // the buffer starts zeroed
       // One call per row along the last dim, which is contiguous in both.
       const int64_t row = rank_dims == 0 ? 1 : piece.local.shape().back();
       const int outer_dims = std::max(0, rank_dims - 1);
@@ -146,10 +169,13 @@ absl::Status WriteSynthShard(const Placement& placement, int rank, uint64_t seed
   });
 }
 
-absl::Status WriteSynthFull(const Model& model, uint64_t seed, const std::string& path) {
+absl::Status WriteSynthFull(const Model& model, uint64_t seed,
+                            const std::string& path) {
   std::vector<SafetensorsEntry> entries;
-  for (const TensorInfo& t : model.tensors()) entries.push_back({t.name, t.dtype, t.shape, 0, 0});
-  ASSIGN_OR_RETURN(SafetensorsHeader header, SafetensorsHeader::Build(std::move(entries), {}));
+  for (const TensorInfo& t : model.tensors())
+    entries.push_back({t.name, t.dtype, t.shape, 0, 0});
+  ASSIGN_OR_RETURN(SafetensorsHeader header,
+                   SafetensorsHeader::Build(std::move(entries), {}));
   return WriteFile(path, header, [&](size_t i, std::byte* out) {
     const TensorInfo& t = model.tensor(static_cast<int>(i));
     FillSynthValues(seed, t.name, t.dtype, 0, *NumElements(t.shape), out);

@@ -8,8 +8,9 @@ namespace {
 // Walks the box row by row, where a "row" is the largest contiguous run in
 // both tensors, and calls `run(src_offset, dst_offset, bytes)`.
 template <typename Run>
-void ForEachRun(const Shape& src_shape, const Shape& src_origin, const Shape& dst_shape,
-                const Shape& dst_origin, const Shape& box_shape, int elem_bytes, Run run) {
+void ForEachRun(const Shape& src_shape, const Shape& src_origin,
+                const Shape& dst_shape, const Shape& dst_origin,
+                const Shape& box_shape, int elem_bytes, Run run) {
   const int rank = static_cast<int>(box_shape.size());
   for (int64_t extent : box_shape) {
     if (extent == 0) return;
@@ -46,17 +47,20 @@ void ForEachRun(const Shape& src_shape, const Shape& src_origin, const Shape& ds
 
 }  // namespace
 
-void CopyBox(const std::byte* src, const Shape& src_shape, const Shape& src_origin,
-             std::byte* dst, const Shape& dst_shape, const Shape& dst_origin,
-             const Shape& box_shape, int elem_bytes) {
-  ForEachRun(src_shape, src_origin, dst_shape, dst_origin, box_shape, elem_bytes,
-             [&](int64_t s, int64_t t, int64_t n) { std::memcpy(dst + t, src + s, n); });
+void CopyBox(const std::byte* src, const Shape& src_shape,
+             const Shape& src_origin, std::byte* dst, const Shape& dst_shape,
+             const Shape& dst_origin, const Shape& box_shape, int elem_bytes) {
+  ForEachRun(src_shape, src_origin, dst_shape, dst_origin, box_shape,
+             elem_bytes, [&](int64_t s, int64_t t, int64_t n) {
+               std::memcpy(dst + t, src + s, n);
+             });
 }
 
 void ZeroBox(std::byte* dst, const Shape& dst_shape, const Shape& dst_origin,
              const Shape& box_shape, int elem_bytes) {
-  ForEachRun(dst_shape, dst_origin, dst_shape, dst_origin, box_shape, elem_bytes,
-             [&](int64_t, int64_t t, int64_t n) { std::memset(dst + t, 0, n); });
+  ForEachRun(
+      dst_shape, dst_origin, dst_shape, dst_origin, box_shape, elem_bytes,
+      [&](int64_t, int64_t t, int64_t n) { std::memset(dst + t, 0, n); });
 }
 
 }  // namespace scalai

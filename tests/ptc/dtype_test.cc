@@ -6,9 +6,10 @@ namespace scalai {
 namespace {
 
 TEST(DType, SafetensorsNamesRoundTrip) {
-  for (DType t : {DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3,
-                  DType::kF8E5M2, DType::kI64, DType::kI32, DType::kI16, DType::kI8,
-                  DType::kU64, DType::kU32, DType::kU16, DType::kU8, DType::kBool}) {
+  for (DType t :
+       {DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3,
+        DType::kF8E5M2, DType::kI64, DType::kI32, DType::kI16, DType::kI8,
+        DType::kU64, DType::kU32, DType::kU16, DType::kU8, DType::kBool}) {
     auto parsed = ParseSafetensorsDType(DTypeName(t));
     ASSERT_TRUE(parsed.ok()) << DTypeName(t);
     EXPECT_EQ(*parsed, t);
@@ -30,7 +31,8 @@ TEST(DType, CommandLineAliases) {
 }
 
 TEST(DType, UnknownNamesAreRefused) {
-  EXPECT_FALSE(ParseSafetensorsDType("bf16").ok());  // the header wants exact names
+  EXPECT_FALSE(
+      ParseSafetensorsDType("bf16").ok());  // the header wants exact names
   EXPECT_FALSE(ParseSafetensorsDType("F128").ok());
   auto s = ParseDType("complex64");
   ASSERT_FALSE(s.ok());

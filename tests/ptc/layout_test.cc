@@ -14,7 +14,9 @@ using ::testing::HasSubstr;
 TEST(Layout, MegatronPresetClassifiesSpecNames) {
   auto layout = Layout::Load("megatron-core-gpt");
   ASSERT_TRUE(layout.ok()) << layout.status();
-  auto split_of = [&](const std::string& name) { return layout->Classify(name)->rule->split; };
+  auto split_of = [&](const std::string& name) {
+    return layout->Classify(name)->rule->split;
+  };
   EXPECT_EQ(split_of("embedding.word_embeddings.weight"), 0);
   EXPECT_TRUE(layout->Classify("output_layer.weight")->rule->vocab);
   EXPECT_EQ(split_of("decoder.layers.3.self_attention.linear_qkv.weight"), 0);
@@ -22,27 +24,39 @@ TEST(Layout, MegatronPresetClassifiesSpecNames) {
   EXPECT_EQ(split_of("decoder.layers.3.self_attention.linear_proj.bias"), -1);
   EXPECT_EQ(split_of("decoder.layers.3.mlp.linear_fc2.weight"), 1);
   EXPECT_EQ(split_of("decoder.layers.3.mlp.linear_fc1.layer_norm_weight"), -1);
-  EXPECT_EQ(layout->Classify("decoder.layers.3.mlp.linear_fc1.weight")->rule->blocks, 1);
-  EXPECT_EQ(layout->Classify("decoder.final_layernorm.weight")->rule->stage, StagePolicy::kLast);
-  EXPECT_EQ(*layout->Classify("decoder.layers.17.mlp.linear_fc2.weight")->layer, 17);
+  EXPECT_EQ(
+      layout->Classify("decoder.layers.3.mlp.linear_fc1.weight")->rule->blocks,
+      1);
+  EXPECT_EQ(layout->Classify("decoder.final_layernorm.weight")->rule->stage,
+            StagePolicy::kLast);
+  EXPECT_EQ(*layout->Classify("decoder.layers.17.mlp.linear_fc2.weight")->layer,
+            17);
 }
 
 TEST(Layout, WhenEnablesSwiGluBlocks) {
   auto layout = *Layout::Load("megatron-core-gpt");
   ASSERT_TRUE(layout.SetParam("gated_linear_unit", "1").ok());
-  EXPECT_EQ(layout.Classify("decoder.layers.0.mlp.linear_fc1.weight")->rule->blocks, 2);
-  EXPECT_EQ(layout.Classify("decoder.layers.0.mlp.linear_fc1.bias")->rule->blocks, 2);
+  EXPECT_EQ(
+      layout.Classify("decoder.layers.0.mlp.linear_fc1.weight")->rule->blocks,
+      2);
+  EXPECT_EQ(
+      layout.Classify("decoder.layers.0.mlp.linear_fc1.bias")->rule->blocks, 2);
 }
 
 TEST(Layout, OptimizerStateFollowsItsParameter) {
   auto layout = *Layout::Load("megatron-core-gpt");
-  auto rule = layout.Classify("optimizer.exp_avg.decoder.layers.2.mlp.linear_fc2.weight");
+  auto rule = layout.Classify(
+      "optimizer.exp_avg.decoder.layers.2.mlp.linear_fc2.weight");
   ASSERT_TRUE(rule.ok());
   EXPECT_EQ(rule->rule->split, 1);
   EXPECT_EQ(*rule->layer, 2);
-  EXPECT_EQ(layout.LocalName("optimizer.exp_avg.decoder.layers.12.mlp.linear_fc2.weight",
-                             *layout.Classify("optimizer.exp_avg.decoder.layers.12.mlp.linear_fc2.weight"), 0),
-            "optimizer.exp_avg.decoder.layers.0.mlp.linear_fc2.weight");
+  EXPECT_EQ(
+      layout.LocalName(
+          "optimizer.exp_avg.decoder.layers.12.mlp.linear_fc2.weight",
+          *layout.Classify(
+              "optimizer.exp_avg.decoder.layers.12.mlp.linear_fc2.weight"),
+          0),
+      "optimizer.exp_avg.decoder.layers.0.mlp.linear_fc2.weight");
 }
 
 TEST(Layout, LocalAndGlobalNumbering) {
@@ -54,7 +68,8 @@ TEST(Layout, LocalAndGlobalNumbering) {
   std::string hf = "model.layers.12.mlp.down_proj.weight";
   EXPECT_EQ(llama.LocalName(hf, *llama.Classify(hf), 4), hf);
   EXPECT_EQ(llama.Classify(hf)->rule->split, 1);
-  EXPECT_EQ(llama.Classify("model.layers.0.self_attn.k_proj.weight")->rule->split, 0);
+  EXPECT_EQ(
+      llama.Classify("model.layers.0.self_attn.k_proj.weight")->rule->split, 0);
   EXPECT_TRUE(llama.Classify("lm_head.weight")->rule->vocab);
 }
 
@@ -65,7 +80,8 @@ TEST(Layout, ParamsAreTypedAndKnown) {
   EXPECT_EQ(*layout.IntParam("make_vocab_size_divisible_by"), 128);
   auto unknown = layout.SetParam("hidden_sizee", "3");
   ASSERT_FALSE(unknown.ok());
-  EXPECT_THAT(std::string(unknown.message()), HasSubstr("no parameter \"hidden_sizee\""));
+  EXPECT_THAT(std::string(unknown.message()),
+              HasSubstr("no parameter \"hidden_sizee\""));
   EXPECT_FALSE(layout.SetParam("gated_linear_unit", "maybe").ok());
   EXPECT_FALSE(layout.SetParam("vocab_size", "-4").ok());
   EXPECT_FALSE(layout.SetParam("vocab_size", "12abc").ok());
@@ -81,7 +97,8 @@ class LayoutRefuses : public ::testing::TestWithParam<BadLayout> {};
 TEST_P(LayoutRefuses, WithAClearMessage) {
   auto layout = Layout::FromJson(GetParam().json, "test.json");
   ASSERT_FALSE(layout.ok()) << GetParam().json;
-  EXPECT_THAT(std::string(layout.status().message()), HasSubstr(GetParam().message));
+  EXPECT_THAT(std::string(layout.status().message()),
+              HasSubstr(GetParam().message));
   EXPECT_THAT(std::string(layout.status().message()), HasSubstr("test.json"));
 }
 
@@ -90,37 +107,46 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         BadLayout{"{", "not valid JSON"}, BadLayout{"[]", "not a JSON object"},
         BadLayout{R"({"name": "x"})", "\"rules\" must be a non-empty array"},
-        BadLayout{R"({"name": "x", "rules": [{"match": "("}]})", "invalid regex"},
-        BadLayout{R"({"name": "x", "rules": [{"match": ".", "split": -1}]})", "\"split\""},
-        BadLayout{R"({"name": "x", "rules": [{"match": ".", "split": 0, "blocks": 0}]})",
-                  "\"blocks\""},
-        BadLayout{R"({"name": "x", "rules": [{"match": ".", "stage": "middle"}]})",
-                  "stage \"middle\""},
+        BadLayout{R"({"name": "x", "rules": [{"match": "("}]})",
+                  "invalid regex"},
+        BadLayout{R"({"name": "x", "rules": [{"match": ".", "split": -1}]})",
+                  "\"split\""},
+        BadLayout{
+            R"({"name": "x", "rules": [{"match": ".", "split": 0, "blocks": 0}]})",
+            "\"blocks\""},
+        BadLayout{
+            R"({"name": "x", "rules": [{"match": ".", "stage": "middle"}]})",
+            "stage \"middle\""},
         BadLayout{R"({"name": "x", "rules": [{"match": ".", "when": "nope"}]})",
                   "\"when\" names \"nope\""},
         BadLayout{R"({"name": "x", "rules": [{"match": ".", "vocab": true}]})",
                   "need a split dimension"},
         BadLayout{R"({"name": "x", "rules": [{"match": ".", "splt": 0}]})",
                   "unknown key \"splt\""},
-        BadLayout{R"({"name": "x", "layer": {"pattern": "layers\\.\\d+"}, "rules": [{"match": "."}]})",
-                  "exactly one group"},
-        BadLayout{R"({"name": "x", "params": {"a": "s"}, "rules": [{"match": "."}]})",
-                  "param \"a\""}));
+        BadLayout{
+            R"({"name": "x", "layer": {"pattern": "layers\\.\\d+"}, "rules": [{"match": "."}]})",
+            "exactly one group"},
+        BadLayout{
+            R"({"name": "x", "params": {"a": "s"}, "rules": [{"match": "."}]})",
+            "param \"a\""}));
 
 TEST(Layout, LoadsAJsonFileAndNamesAMissingOne) {
   std::string path = ::testing::TempDir() + "/layout.json";
-  std::ofstream(path) << R"({"name": "mine", "rules": [{"match": "w$", "split": 1},
+  std::ofstream(path)
+      << R"({"name": "mine", "rules": [{"match": "w$", "split": 1},
                                                         {"match": "."}]})";
   auto layout = Layout::Load(path);
   ASSERT_TRUE(layout.ok()) << layout.status();
   EXPECT_EQ(layout->Classify("a.w")->rule->split, 1);
   auto missing = Layout::Load("/nonexistent/layout.json");
   ASSERT_FALSE(missing.ok());
-  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("/nonexistent/layout.json"));
+  EXPECT_THAT(std::string(missing.status().message()),
+              HasSubstr("/nonexistent/layout.json"));
 }
 
 TEST(Layout, ATensorNoRuleMatchesIsNamed) {
-  auto layout = *Layout::FromJson(R"({"name": "x", "rules": [{"match": "weight$"}]})");
+  auto layout =
+      *Layout::FromJson(R"({"name": "x", "rules": [{"match": "weight$"}]})");
   auto r = layout.Classify("a.bias");
   ASSERT_FALSE(r.ok());
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("tensor a.bias"));

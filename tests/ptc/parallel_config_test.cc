@@ -43,19 +43,20 @@ TEST_P(ParallelConfigRefuses, WithAMessageNamingTheFault) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, ParallelConfigRefuses,
-    ::testing::Values(BadConfig{"", "empty"}, BadConfig{"banana", "not key=value"},
-                      BadConfig{"tp=2,pp=2", "missing dp="},
-                      BadConfig{"tp=0,pp=1,dp=1", "tp=0 must be at least 1"},
-                      BadConfig{"tp=-2,pp=1,dp=1", "tp=-2 must be at least 1"},
-                      BadConfig{"tp=two,pp=1,dp=1", "tp=two is not a number"},
-                      BadConfig{"tp=2x,pp=1,dp=1", "tp=2x is not a number"},
-                      BadConfig{"tp=2,pp=1,dp=1,ep=2", "unknown key \"ep\""},
-                      BadConfig{"tp=2,tp=2,pp=1,dp=1", "tp given twice"},
-                      BadConfig{"tp=1,pp=2,dp=1,stages=3", "stages lists 1 stages but pp=2"},
-                      BadConfig{"tp=1,pp=2,dp=1,stages=3:0", "stages=0 must be at least 1"},
-                      BadConfig{"tp=1,pp=2,dp=1,stages=3:x", "stages=x is not a number"},
-                      BadConfig{"tp=4096,pp=4096,dp=4096", "exceeds"},
-                      BadConfig{"tp=99999999999,pp=1,dp=1", "too large"}));
+    ::testing::Values(
+        BadConfig{"", "empty"}, BadConfig{"banana", "not key=value"},
+        BadConfig{"tp=2,pp=2", "missing dp="},
+        BadConfig{"tp=0,pp=1,dp=1", "tp=0 must be at least 1"},
+        BadConfig{"tp=-2,pp=1,dp=1", "tp=-2 must be at least 1"},
+        BadConfig{"tp=two,pp=1,dp=1", "tp=two is not a number"},
+        BadConfig{"tp=2x,pp=1,dp=1", "tp=2x is not a number"},
+        BadConfig{"tp=2,pp=1,dp=1,ep=2", "unknown key \"ep\""},
+        BadConfig{"tp=2,tp=2,pp=1,dp=1", "tp given twice"},
+        BadConfig{"tp=1,pp=2,dp=1,stages=3", "stages lists 1 stages but pp=2"},
+        BadConfig{"tp=1,pp=2,dp=1,stages=3:0", "stages=0 must be at least 1"},
+        BadConfig{"tp=1,pp=2,dp=1,stages=3:x", "stages=x is not a number"},
+        BadConfig{"tp=4096,pp=4096,dp=4096", "exceeds"},
+        BadConfig{"tp=99999999999,pp=1,dp=1", "too large"}));
 
 TEST(ParallelConfig, MegatronRankOrder) {
   auto c = *ParallelConfig::Parse("tp=2,pp=3,dp=4");

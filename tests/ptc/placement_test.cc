@@ -31,7 +31,8 @@ absl::Status PlaceStatus(const Fixture& f, const std::string& config) {
   return Placement::Create(f.layout, f.model, *c).status();
 }
 
-const TensorShard* FindLocal(const Placement& p, int group, const std::string& name) {
+const TensorShard* FindLocal(const Placement& p, int group,
+                             const std::string& name) {
   for (const TensorShard& s : p.shards(group)) {
     if (s.local_name == name) return &s;
   }
@@ -39,11 +40,14 @@ const TensorShard* FindLocal(const Placement& p, int group, const std::string& n
 }
 
 TEST(Placement, VocabRowsArePaddedForTp) {
-  Fixture f = Make("megatron-core-gpt", "layers=2,hidden=64,heads=4,vocab=1000");
-  auto p = Placement::Create(f.layout, f.model, *ParallelConfig::Parse("tp=4,pp=1,dp=1"));
+  Fixture f =
+      Make("megatron-core-gpt", "layers=2,hidden=64,heads=4,vocab=1000");
+  auto p = Placement::Create(f.layout, f.model,
+                             *ParallelConfig::Parse("tp=4,pp=1,dp=1"));
   ASSERT_TRUE(p.ok()) << p.status();
   // 1000 rows padded to a multiple of 128*4 = 512: 1024, 256 rows a rank.
-  const TensorShard* last = FindLocal(*p, 3, "embedding.word_embeddings.weight");
+  const TensorShard* last =
+      FindLocal(*p, 3, "embedding.word_embeddings.weight");
   ASSERT_NE(last, nullptr);
   EXPECT_EQ(last->local_shape, (Shape{256, 64}));
   ASSERT_EQ(last->pieces.size(), 2u);
@@ -53,9 +57,13 @@ TEST(Placement, VocabRowsArePaddedForTp) {
 }
 
 TEST(Placement, SwiGluBlocksAreSplitSeparately) {
-  Fixture f = Make("megatron-core-gpt", "layers=1,hidden=8,heads=2,ffn=12,vocab=16,gated_linear_unit=1");
-  auto p = *Placement::Create(f.layout, f.model, *ParallelConfig::Parse("tp=2,pp=1,dp=1"));
-  const TensorShard* fc1 = FindLocal(p, 1, "decoder.layers.0.mlp.linear_fc1.weight");
+  Fixture f =
+      Make("megatron-core-gpt",
+           "layers=1,hidden=8,heads=2,ffn=12,vocab=16,gated_linear_unit=1");
+  auto p = *Placement::Create(f.layout, f.model,
+                              *ParallelConfig::Parse("tp=2,pp=1,dp=1"));
+  const TensorShard* fc1 =
+      FindLocal(p, 1, "decoder.layers.0.mlp.linear_fc1.weight");
   ASSERT_NE(fc1, nullptr);
   EXPECT_EQ(fc1->local_shape, (Shape{12, 8}));
   ASSERT_EQ(fc1->pieces.size(), 2u);
@@ -66,15 +74,18 @@ TEST(Placement, SwiGluBlocksAreSplitSeparately) {
 
 TEST(Placement, StagesGetLocalLayerNumbersAndEndTensors) {
   Fixture f = Make("megatron-core-gpt", "layers=5,hidden=8,heads=2,vocab=16");
-  auto p = *Placement::Create(f.layout, f.model, *ParallelConfig::Parse("tp=1,pp=2,dp=3"));
+  auto p = *Placement::Create(f.layout, f.model,
+                              *ParallelConfig::Parse("tp=1,pp=2,dp=3"));
   EXPECT_EQ(p.layers_per_stage(), (std::vector<int64_t>{3, 2}));
   EXPECT_NE(FindLocal(p, 0, "embedding.word_embeddings.weight"), nullptr);
   EXPECT_EQ(FindLocal(p, 1, "embedding.word_embeddings.weight"), nullptr);
   EXPECT_NE(FindLocal(p, 1, "output_layer.weight"), nullptr);
   EXPECT_NE(FindLocal(p, 1, "decoder.final_layernorm.weight"), nullptr);
-  const TensorShard* l3 = FindLocal(p, 1, "decoder.layers.0.mlp.linear_fc2.weight");
+  const TensorShard* l3 =
+      FindLocal(p, 1, "decoder.layers.0.mlp.linear_fc2.weight");
   ASSERT_NE(l3, nullptr);
-  EXPECT_EQ(f.model->tensor(l3->tensor).name, "decoder.layers.3.mlp.linear_fc2.weight");
+  EXPECT_EQ(f.model->tensor(l3->tensor).name,
+            "decoder.layers.3.mlp.linear_fc2.weight");
   EXPECT_EQ(FindLocal(p, 1, "decoder.layers.2.mlp.linear_fc2.weight"), nullptr);
 }
 
@@ -87,7 +98,9 @@ TEST(Placement, TiedEmbeddingsSitOnFirstAndLastStage) {
   Model model;
   ASSERT_TRUE(model.Add({"embed", DType::kF32, {10, 4}}).ok());
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE(model.Add({"layers." + std::to_string(i) + ".w", DType::kF32, {4}}).ok());
+    ASSERT_TRUE(
+        model.Add({"layers." + std::to_string(i) + ".w", DType::kF32, {4}})
+            .ok());
   }
   auto p = *Placement::Create(layout, std::make_shared<const Model>(model),
                               *ParallelConfig::Parse("tp=1,pp=3,dp=1"));
@@ -115,19 +128,28 @@ TEST_P(PlacementRefuses, NamingTheTensorOrValue) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, PlacementRefuses,
     ::testing::Values(
-        Refusal{"megatron-core-gpt", "layers=2,hidden=96,heads=4,vocab=100", "tp=5,pp=1,dp=1",
-                "tensor decoder.layers.0.self_attention.linear_qkv.weight [288, 96]: dim 0 "
+        Refusal{"megatron-core-gpt", "layers=2,hidden=96,heads=4,vocab=100",
+                "tp=5,pp=1,dp=1",
+                "tensor decoder.layers.0.self_attention.linear_qkv.weight "
+                "[288, 96]: dim 0 "
                 "(size 288) is not divisible by tp=5"},
-        Refusal{"megatron-core-gpt", "layers=2,hidden=12,heads=4,ffn=6,vocab=100,"
-                "gated_linear_unit=1", "tp=4,pp=1,dp=1",
-                "tensor decoder.layers.0.mlp.linear_fc1.weight [12, 12]: dim 0 holds 2 "
+        Refusal{"megatron-core-gpt",
+                "layers=2,hidden=12,heads=4,ffn=6,vocab=100,"
+                "gated_linear_unit=1",
+                "tp=4,pp=1,dp=1",
+                "tensor decoder.layers.0.mlp.linear_fc1.weight [12, 12]: dim 0 "
+                "holds 2 "
                 "blocks of 6, not divisible by tp=4"},
-        Refusal{"megatron-core-gpt", "layers=3,hidden=8,heads=2,vocab=10", "tp=1,pp=4,dp=1",
+        Refusal{"megatron-core-gpt", "layers=3,hidden=8,heads=2,vocab=10",
+                "tp=1,pp=4,dp=1",
                 "pp=4 needs at least 4 layers but the model has 3"},
         Refusal{"megatron-core-gpt", "layers=3,hidden=8,heads=2,vocab=10",
-                "tp=1,pp=2,dp=1,stages=1:1", "stages=1:1 sum to 2 layers but the model has 3"},
-        Refusal{"hf-llama", "layers=1,hidden=12,heads=6,groups=3,vocab=10", "tp=4,pp=1,dp=1",
-                "tensor model.layers.0.self_attn.k_proj.weight [6, 12]: dim 0 (size 6) is not "
+                "tp=1,pp=2,dp=1,stages=1:1",
+                "stages=1:1 sum to 2 layers but the model has 3"},
+        Refusal{"hf-llama", "layers=1,hidden=12,heads=6,groups=3,vocab=10",
+                "tp=4,pp=1,dp=1",
+                "tensor model.layers.0.self_attn.k_proj.weight [6, 12]: dim 0 "
+                "(size 6) is not "
                 "divisible by tp=4"}));
 
 TEST(Placement, VocabSizeParamMustMatchTheTensor) {
@@ -135,39 +157,49 @@ TEST(Placement, VocabSizeParamMustMatchTheTensor) {
   ASSERT_TRUE(f.layout.SetParam("vocab_size", "12").ok());
   absl::Status s = PlaceStatus(f, "tp=1,pp=1,dp=1");
   EXPECT_THAT(std::string(s.message()),
-              HasSubstr("embedding.word_embeddings.weight [10, 8]: has 10 vocabulary rows but "
+              HasSubstr("embedding.word_embeddings.weight [10, 8]: has 10 "
+                        "vocabulary rows but "
                         "vocab_size=12"));
 }
 
 TEST(Placement, SplitDimensionBeyondTheTensorIsRefused) {
-  auto layout = *Layout::FromJson(R"({"name": "x", "rules": [{"match": ".", "split": 2}]})");
+  auto layout = *Layout::FromJson(
+      R"({"name": "x", "rules": [{"match": ".", "split": 2}]})");
   Model model;
   ASSERT_TRUE(model.Add({"w", DType::kF32, {4, 4}}).ok());
   auto p = Placement::Create(layout, std::make_shared<const Model>(model),
                              *ParallelConfig::Parse("tp=2,pp=1,dp=1"));
   ASSERT_FALSE(p.ok());
-  EXPECT_THAT(std::string(p.status().message()), HasSubstr("splits dim 2 but the tensor has 2"));
+  EXPECT_THAT(std::string(p.status().message()),
+              HasSubstr("splits dim 2 but the tensor has 2"));
 }
 
 TEST(ModelSpec, RefusesJunk) {
   EXPECT_FALSE(ModelSpec::Parse("layers=2,hidden=64").ok());  // no heads, vocab
   EXPECT_FALSE(ModelSpec::Parse("layers=2,hidden=64,heads=5,vocab=10").ok());
   EXPECT_FALSE(ModelSpec::Parse("layers=x,hidden=64,heads=4,vocab=10").ok());
-  EXPECT_FALSE(ModelSpec::Parse("layers=2,hidden=64,heads=4,vocab=10,bias=2").ok());
-  auto spec = *ModelSpec::Parse("layers=2,hidden=64,heads=4,vocab=10,colour=blue");
+  EXPECT_FALSE(
+      ModelSpec::Parse("layers=2,hidden=64,heads=4,vocab=10,bias=2").ok());
+  auto spec =
+      *ModelSpec::Parse("layers=2,hidden=64,heads=4,vocab=10,colour=blue");
   auto layout = *Layout::Load("megatron-core-gpt");
-  EXPECT_THAT(std::string(spec.ApplyParams(layout).message()), HasSubstr("colour"));
+  EXPECT_THAT(std::string(spec.ApplyParams(layout).message()),
+              HasSubstr("colour"));
 }
 
 TEST(ModelSpec, BuildsSpecShapes) {
-  Fixture f = Make("megatron-core-gpt", "layers=2,hidden=64,heads=8,groups=2,ffn=100,vocab=50,"
+  Fixture f = Make("megatron-core-gpt",
+                   "layers=2,hidden=64,heads=8,groups=2,ffn=100,vocab=50,"
                    "bias=1,gated_linear_unit=1");
   const Model& m = *f.model;
   EXPECT_EQ(m.Find("decoder.layers.1.self_attention.linear_qkv.weight")->shape,
             (Shape{(8 + 2 * 2) * 8, 64}));
-  EXPECT_EQ(m.Find("decoder.layers.1.mlp.linear_fc1.weight")->shape, (Shape{200, 64}));
-  EXPECT_EQ(m.Find("decoder.layers.1.mlp.linear_fc1.bias")->shape, (Shape{200}));
-  EXPECT_EQ(m.Find("decoder.layers.0.mlp.linear_fc2.weight")->shape, (Shape{64, 100}));
+  EXPECT_EQ(m.Find("decoder.layers.1.mlp.linear_fc1.weight")->shape,
+            (Shape{200, 64}));
+  EXPECT_EQ(m.Find("decoder.layers.1.mlp.linear_fc1.bias")->shape,
+            (Shape{200}));
+  EXPECT_EQ(m.Find("decoder.layers.0.mlp.linear_fc2.weight")->shape,
+            (Shape{64, 100}));
   EXPECT_EQ(m.Find("output_layer.weight")->shape, (Shape{50, 64}));
   EXPECT_EQ(m.size(), 1 + 2 * 10 + 2);
 }

@@ -36,22 +36,31 @@ struct OracleRule {
 
 OracleRule OracleFor(const std::string& name, bool gated) {
   auto ends = [&](const char* suffix) {
-    return name.size() >= strlen(suffix) && name.compare(name.size() - strlen(suffix),
-                                                         std::string::npos, suffix) == 0;
+    return name.size() >= strlen(suffix) &&
+           name.compare(name.size() - strlen(suffix), std::string::npos,
+                        suffix) == 0;
   };
   OracleRule r;
-  if (ends("word_embeddings.weight") || ends("embed_tokens.weight")) return {0, 1, true, 0};
-  if (ends("output_layer.weight") || ends("lm_head.weight")) return {0, 1, true, 1};
-  if (ends("final_layernorm.weight") || ends("model.norm.weight")) return {-1, 1, false, 1};
-  if (ends("linear_fc1.weight") || ends("linear_fc1.bias")) return {0, gated ? 2 : 1, false, 0};
-  if (ends("linear_qkv.weight") || ends("linear_qkv.bias")) return {0, 1, false, 0};
-  if (ends("linear_proj.weight") || ends("linear_fc2.weight")) return {1, 1, false, 0};
-  for (const char* p : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
-                        "up_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
-                        "gate_proj.bias", "up_proj.bias"}) {
+  if (ends("word_embeddings.weight") || ends("embed_tokens.weight"))
+    return {0, 1, true, 0};
+  if (ends("output_layer.weight") || ends("lm_head.weight"))
+    return {0, 1, true, 1};
+  if (ends("final_layernorm.weight") || ends("model.norm.weight"))
+    return {-1, 1, false, 1};
+  if (ends("linear_fc1.weight") || ends("linear_fc1.bias"))
+    return {0, gated ? 2 : 1, false, 0};
+  if (ends("linear_qkv.weight") || ends("linear_qkv.bias"))
+    return {0, 1, false, 0};
+  if (ends("linear_proj.weight") || ends("linear_fc2.weight"))
+    return {1, 1, false, 0};
+  for (const char* p :
+       {"q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+        "up_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
+        "gate_proj.bias", "up_proj.bias"}) {
     if (ends(p)) return {0, 1, false, 0};
   }
-  if (ends("o_proj.weight") || ends("down_proj.weight")) return {1, 1, false, 0};
+  if (ends("o_proj.weight") || ends("down_proj.weight"))
+    return {1, 1, false, 0};
   return r;
 }
 
@@ -83,9 +92,12 @@ Scenario RandomScenario(std::mt19937_64& rng) {
   if (s.gated) spec.layout_params.push_back({"gated_linear_unit", "1"});
   s.vocab_divisor = pick({1, 2, 4, 128});
   EXPECT_TRUE(spec.ApplyParams(s.layout).ok());
-  EXPECT_TRUE(
-      s.layout.SetParam("make_vocab_size_divisible_by", absl::StrCat(s.vocab_divisor)).ok());
-  DType dtype = std::vector<DType>{DType::kBF16, DType::kF32, DType::kI8, DType::kF64}[rng() % 4];
+  EXPECT_TRUE(s.layout
+                  .SetParam("make_vocab_size_divisible_by",
+                            absl::StrCat(s.vocab_divisor))
+                  .ok());
+  DType dtype = std::vector<DType>{DType::kBF16, DType::kF32, DType::kI8,
+                                   DType::kF64}[rng() % 4];
   auto model = spec.Build(s.layout, dtype);
   EXPECT_TRUE(model.ok()) << model.status();
   s.model = std::make_shared<const Model>(*std::move(model));
@@ -114,8 +126,8 @@ ParallelConfig RandomConfig(std::mt19937_64& rng, int64_t layers) {
 
 // The oracle's view of one tensor on one tp rank: for each local index along
 // the split dim, the global index it holds, or -1 for a padding row.
-std::vector<int64_t> OracleRows(const TensorInfo& t, const OracleRule& r, int64_t divisor,
-                                int tp, int tp_rank) {
+std::vector<int64_t> OracleRows(const TensorInfo& t, const OracleRule& r,
+                                int64_t divisor, int tp, int tp_rank) {
   std::vector<int64_t> rows;
   if (r.split < 0) return rows;
   const int64_t d = t.shape[r.split];
@@ -129,7 +141,8 @@ std::vector<int64_t> OracleRows(const TensorInfo& t, const OracleRule& r, int64_
   }
   const int64_t block = d / r.blocks, part = block / tp;
   for (int b = 0; b < r.blocks; ++b) {
-    for (int64_t j = 0; j < part; ++j) rows.push_back(b * block + tp_rank * part + j);
+    for (int64_t j = 0; j < part; ++j)
+      rows.push_back(b * block + tp_rank * part + j);
   }
   return rows;
 }
@@ -146,8 +159,8 @@ Bytes OracleCut(const Bytes& full, const TensorInfo& t, const OracleRule& r,
   for (int64_t o = 0; o < outer; ++o) {
     for (int64_t i = 0; i < n; ++i) {
       if (rows[i] < 0) continue;
-      std::memcpy(&out[(o * n + i) * inner], &full[(o * t.shape[r.split] + rows[i]) * inner],
-                  inner);
+      std::memcpy(&out[(o * n + i) * inner],
+                  &full[(o * t.shape[r.split] + rows[i]) * inner], inner);
     }
   }
   return out;
@@ -161,15 +174,18 @@ struct OracleShard {
 };
 using OracleGroup = std::map<std::string, OracleShard>;
 
-std::vector<OracleGroup> OracleGroups(const Scenario& s, const ParallelConfig& c) {
+std::vector<OracleGroup> OracleGroups(const Scenario& s,
+                                      const ParallelConfig& c) {
   std::vector<int64_t> per_stage = c.stages();
   if (per_stage.empty()) {
-    for (int p = 0; p < c.pp(); ++p) per_stage.push_back(s.layers / c.pp() + (p < s.layers % c.pp()));
+    for (int p = 0; p < c.pp(); ++p)
+      per_stage.push_back(s.layers / c.pp() + (p < s.layers % c.pp()));
   }
   std::vector<int64_t> first(c.pp() + 1, 0);
   std::partial_sum(per_stage.begin(), per_stage.end(), first.begin() + 1);
-  std::regex layer_re(s.layout_name == "hf-llama" ? "model\\.layers\\.(\\d+)\\."
-                                                  : "decoder\\.layers\\.(\\d+)\\.");
+  std::regex layer_re(s.layout_name == "hf-llama"
+                          ? "model\\.layers\\.(\\d+)\\."
+                          : "decoder\\.layers\\.(\\d+)\\.");
   std::vector<OracleGroup> groups(c.tp() * c.pp());
   for (int i = 0; i < s.model->size(); ++i) {
     const TensorInfo& t = s.model->tensor(i);
@@ -179,11 +195,14 @@ std::vector<OracleGroup> OracleGroups(const Scenario& s, const ParallelConfig& c
     std::string local = t.name;
     if (std::regex_search(t.name, m, layer_re)) {
       int64_t layer = std::stoll(m[1].str());
-      int stage = static_cast<int>(std::upper_bound(first.begin(), first.end(), layer) -
-                                   first.begin()) - 1;
+      int stage =
+          static_cast<int>(std::upper_bound(first.begin(), first.end(), layer) -
+                           first.begin()) -
+          1;
       stages = {stage};
       if (s.layout_name == "megatron-core-gpt") {
-        local = t.name.substr(0, m.position(1)) + std::to_string(layer - first[stage]) +
+        local = t.name.substr(0, m.position(1)) +
+                std::to_string(layer - first[stage]) +
                 t.name.substr(m.position(1) + m.length(1));
       }
     } else {
@@ -191,8 +210,10 @@ std::vector<OracleGroup> OracleGroups(const Scenario& s, const ParallelConfig& c
     }
     for (int stage : stages) {
       for (int tr = 0; tr < c.tp(); ++tr) {
-        std::vector<int64_t> rows = OracleRows(t, r, s.vocab_divisor, c.tp(), tr);
-        groups[stage * c.tp() + tr][local] = {i, rows, OracleCut(s.full[i], t, r, rows)};
+        std::vector<int64_t> rows =
+            OracleRows(t, r, s.vocab_divisor, c.tp(), tr);
+        groups[stage * c.tp() + tr][local] = {i, rows,
+                                              OracleCut(s.full[i], t, r, rows)};
       }
     }
   }
@@ -200,16 +221,19 @@ std::vector<OracleGroup> OracleGroups(const Scenario& s, const ParallelConfig& c
 }
 
 // Checks the placement against the oracle: same names, shapes and sizes.
-void ExpectPlacementMatches(const Placement& p, const std::vector<OracleGroup>& oracle) {
+void ExpectPlacementMatches(const Placement& p,
+                            const std::vector<OracleGroup>& oracle) {
   ASSERT_EQ(p.num_groups(), static_cast<int>(oracle.size()));
   for (int g = 0; g < p.num_groups(); ++g) {
     std::set<std::string> names;
     for (const TensorShard& s : p.shards(g)) {
       names.insert(s.local_name);
       auto it = oracle[g].find(s.local_name);
-      ASSERT_NE(it, oracle[g].end()) << "group " << g << " holds unexpected " << s.local_name;
+      ASSERT_NE(it, oracle[g].end())
+          << "group " << g << " holds unexpected " << s.local_name;
       EXPECT_EQ(it->second.tensor, s.tensor);
-      EXPECT_EQ(static_cast<int64_t>(it->second.bytes.size()), s.bytes) << s.local_name;
+      EXPECT_EQ(static_cast<int64_t>(it->second.bytes.size()), s.bytes)
+          << s.local_name;
     }
     EXPECT_EQ(names.size(), oracle[g].size()) << "group " << g;
   }
@@ -217,8 +241,8 @@ void ExpectPlacementMatches(const Placement& p, const std::vector<OracleGroup>& 
 
 // Materializes every destination shard by executing the plan's copy ops on
 // the source shards' bytes.
-std::vector<std::vector<Bytes>> ApplyOps(const ReshardPlan& plan,
-                                         const std::vector<std::vector<Bytes>>& src) {
+std::vector<std::vector<Bytes>> ApplyOps(
+    const ReshardPlan& plan, const std::vector<std::vector<Bytes>>& src) {
   std::vector<std::vector<Bytes>> out(plan.to().num_groups());
   for (int g = 0; g < plan.to().num_groups(); ++g) {
     for (size_t k = 0; k < plan.to().shards(g).size(); ++k) {
@@ -227,12 +251,14 @@ std::vector<std::vector<Bytes>> ApplyOps(const ReshardPlan& plan,
       Bytes bytes(dst.bytes, std::byte{0x5a});
       for (const CopyOp& op : plan.ops(g, k)) {
         if (!op.src.valid()) {
-          ZeroBox(bytes.data(), dst.local_shape, op.dst.origin(), op.dst.shape(), elem);
+          ZeroBox(bytes.data(), dst.local_shape, op.dst.origin(),
+                  op.dst.shape(), elem);
           continue;
         }
         const TensorShard& s = plan.from().shards(op.src.group)[op.src.shard];
-        CopyBox(src[op.src.group][op.src.shard].data(), s.local_shape, op.src_origin,
-                bytes.data(), dst.local_shape, op.dst.origin(), op.dst.shape(), elem);
+        CopyBox(src[op.src.group][op.src.shard].data(), s.local_shape,
+                op.src_origin, bytes.data(), dst.local_shape, op.dst.origin(),
+                op.dst.shape(), elem);
       }
       out[g].push_back(std::move(bytes));
     }
@@ -243,7 +269,8 @@ std::vector<std::vector<Bytes>> ApplyOps(const ReshardPlan& plan,
 // Materializes one destination shard through Resolve() in ranges cut at
 // random points, as reads of a view would.
 Bytes ApplySegments(const ReshardPlan& plan, int g, int k,
-                    const std::vector<std::vector<Bytes>>& src, std::mt19937_64& rng) {
+                    const std::vector<std::vector<Bytes>>& src,
+                    std::mt19937_64& rng) {
   const TensorShard& dst = plan.to().shards(g)[k];
   Bytes bytes(dst.bytes, std::byte{0x5a});
   for (int64_t pos = 0; pos < dst.bytes;) {
@@ -254,7 +281,8 @@ Bytes ApplySegments(const ReshardPlan& plan, int g, int k,
     for (const Segment& seg : *segments) {
       EXPECT_EQ(seg.dst_offset, expect);
       if (seg.src.valid()) {
-        std::memcpy(&bytes[seg.dst_offset], &src[seg.src.group][seg.src.shard][seg.src_offset],
+        std::memcpy(&bytes[seg.dst_offset],
+                    &src[seg.src.group][seg.src.shard][seg.src_offset],
                     seg.length);
       } else {
         std::memset(&bytes[seg.dst_offset], 0, seg.length);
@@ -267,11 +295,12 @@ Bytes ApplySegments(const ReshardPlan& plan, int g, int k,
   return bytes;
 }
 
-std::vector<std::vector<Bytes>> OracleBytes(const Placement& p,
-                                            const std::vector<OracleGroup>& oracle) {
+std::vector<std::vector<Bytes>> OracleBytes(
+    const Placement& p, const std::vector<OracleGroup>& oracle) {
   std::vector<std::vector<Bytes>> out(p.num_groups());
   for (int g = 0; g < p.num_groups(); ++g) {
-    for (const TensorShard& s : p.shards(g)) out[g].push_back(oracle[g].at(s.local_name).bytes);
+    for (const TensorShard& s : p.shards(g))
+      out[g].push_back(oracle[g].at(s.local_name).bytes);
   }
   return out;
 }
@@ -285,7 +314,8 @@ void ExpectOpsTileEachShardOnce(const ReshardPlan& plan) {
       std::vector<int> count(elems, 0);
       const Shape strides = RowMajorStrides(dst.local_shape);
       for (const CopyOp& op : plan.ops(g, k)) {
-        ASSERT_TRUE(Box::Full(dst.local_shape).Contains(op.dst)) << op.dst.ToString();
+        ASSERT_TRUE(Box::Full(dst.local_shape).Contains(op.dst))
+            << op.dst.ToString();
         const int64_t n = *op.dst.NumElements();
         for (int64_t e = 0; e < n; ++e) {
           int64_t rest = e, flat = 0;
@@ -297,7 +327,8 @@ void ExpectOpsTileEachShardOnce(const ReshardPlan& plan) {
         }
       }
       for (int64_t e = 0; e < elems; ++e) {
-        ASSERT_EQ(count[e], 1) << "tensor " << dst.local_name << " element " << e;
+        ASSERT_EQ(count[e], 1)
+            << "tensor " << dst.local_name << " element " << e;
       }
     }
   }
@@ -313,7 +344,8 @@ int64_t OracleKept(const Scenario& s, const std::vector<OracleGroup>& a, int ga,
     OracleRule r = OracleFor(t.name, s.gated);
     if (r.split < 0) {
       if (ga >= 0) {
-        for (const auto& [n2, old] : a[ga]) kept += old.tensor == shard.tensor ? bytes : 0;
+        for (const auto& [n2, old] : a[ga])
+          kept += old.tensor == shard.tensor ? bytes : 0;
       }
       continue;
     }
@@ -321,10 +353,12 @@ int64_t OracleKept(const Scenario& s, const std::vector<OracleGroup>& a, int ga,
     std::set<int64_t> held;
     if (ga >= 0) {
       for (const auto& [n2, old] : a[ga]) {
-        if (old.tensor == shard.tensor) held.insert(old.rows.begin(), old.rows.end());
+        if (old.tensor == shard.tensor)
+          held.insert(old.rows.begin(), old.rows.end());
       }
     }
-    for (int64_t row : shard.rows) kept += (row < 0 || held.count(row)) ? per_row : 0;
+    for (int64_t row : shard.rows)
+      kept += (row < 0 || held.count(row)) ? per_row : 0;
   }
   return kept;
 }
@@ -335,7 +369,8 @@ TEST_P(ReshardPlanProperty, PlanTurnsShardsOfAIntoShardsOfBAndBack) {
   std::mt19937_64 rng(GetParam());
   Scenario s = RandomScenario(rng);
   // Draw configs until the layout accepts them; refusals are tested elsewhere.
-  auto draw = [&]() -> std::pair<ParallelConfig, std::shared_ptr<const Placement>> {
+  auto draw =
+      [&]() -> std::pair<ParallelConfig, std::shared_ptr<const Placement>> {
     for (;;) {
       ParallelConfig c = RandomConfig(rng, s.layers);
       auto p = Placement::Create(s.layout, s.model, c);
@@ -344,8 +379,9 @@ TEST_P(ReshardPlanProperty, PlanTurnsShardsOfAIntoShardsOfBAndBack) {
   };
   auto [ca, pa] = draw();
   auto [cb, pb] = draw();
-  SCOPED_TRACE(absl::StrCat(s.layout_name, " layers=", s.layers, " ", ca.ToString(), " -> ",
-                            cb.ToString(), " divisor=", s.vocab_divisor, " gated=", s.gated));
+  SCOPED_TRACE(absl::StrCat(s.layout_name, " layers=", s.layers, " ",
+                            ca.ToString(), " -> ", cb.ToString(),
+                            " divisor=", s.vocab_divisor, " gated=", s.gated));
   std::vector<OracleGroup> oa = OracleGroups(s, ca), ob = OracleGroups(s, cb);
   ExpectPlacementMatches(*pa, oa);
   ExpectPlacementMatches(*pb, ob);
@@ -360,8 +396,10 @@ TEST_P(ReshardPlanProperty, PlanTurnsShardsOfAIntoShardsOfBAndBack) {
   const auto got_b = ApplyOps(*ab, bytes_a);
   for (int g = 0; g < pb->num_groups(); ++g) {
     for (size_t k = 0; k < pb->shards(g).size(); ++k) {
-      ASSERT_EQ(got_b[g][k], bytes_b[g][k]) << "ops: group " << g << " " << pb->shards(g)[k].local_name;
-      ASSERT_EQ(ApplySegments(*ab, g, static_cast<int>(k), bytes_a, rng), bytes_b[g][k])
+      ASSERT_EQ(got_b[g][k], bytes_b[g][k])
+          << "ops: group " << g << " " << pb->shards(g)[k].local_name;
+      ASSERT_EQ(ApplySegments(*ab, g, static_cast<int>(k), bytes_a, rng),
+                bytes_b[g][k])
           << "segments: group " << g << " " << pb->shards(g)[k].local_name;
     }
   }
@@ -371,7 +409,8 @@ TEST_P(ReshardPlanProperty, PlanTurnsShardsOfAIntoShardsOfBAndBack) {
   ASSERT_TRUE(ba.ok()) << ba.status();
   EXPECT_EQ(ApplyOps(*ba, got_b), bytes_a);
 
-  // Accounting: totals add up, and "kept" is what the same-numbered old rank holds.
+  // Accounting: totals add up, and "kept" is what the same-numbered old rank
+  // holds.
   PlanSummary sum = ab->Summarize();
   ASSERT_EQ(static_cast<int>(sum.ranks.size()), cb.world_size());
   int64_t total = 0;
@@ -386,7 +425,7 @@ TEST_P(ReshardPlanProperty, PlanTurnsShardsOfAIntoShardsOfBAndBack) {
   EXPECT_EQ(sum.bytes_total, total);
   int64_t unique = 0;
   for (int g = 0; g < pb->num_groups(); ++g) unique += pb->group_bytes(g);
-  EXPECT_LE(sum.bytes_to_move, unique);
+  EXPECT_LE(sum.bytes_to_write, unique);
   // A shard reused in place must really be byte-identical.
   for (int g = 0; g < pb->num_groups(); ++g) {
     for (size_t k = 0; k < pb->shards(g).size(); ++k) {
@@ -398,7 +437,8 @@ TEST_P(ReshardPlanProperty, PlanTurnsShardsOfAIntoShardsOfBAndBack) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(RandomModels, ReshardPlanProperty, ::testing::Range(1, 301));
+INSTANTIATE_TEST_SUITE_P(RandomModels, ReshardPlanProperty,
+                         ::testing::Range(1, 301));
 
 TEST(ReshardPlan, PureDataParallelChangeMovesNothing) {
   std::mt19937_64 rng(7);
@@ -407,14 +447,15 @@ TEST(ReshardPlan, PureDataParallelChangeMovesNothing) {
     ParallelConfig a = RandomConfig(rng, s.layers);
     auto pa = Placement::Create(s.layout, s.model, a);
     if (!pa.ok()) continue;
-    auto b = *ParallelConfig::Create(a.tp(), a.pp(), a.dp() % 16 + 1, a.stages());
+    auto b =
+        *ParallelConfig::Create(a.tp(), a.pp(), a.dp() % 16 + 1, a.stages());
     auto pb = Placement::Create(s.layout, s.model, b);
     ASSERT_TRUE(pb.ok()) << pb.status();
     SCOPED_TRACE(a.ToString() + " -> " + b.ToString());
     auto plan = ReshardPlan::Create(std::make_shared<const Placement>(*pa),
                                     std::make_shared<const Placement>(*pb));
     ASSERT_TRUE(plan.ok());
-    EXPECT_EQ(plan->Summarize().bytes_to_move, 0);
+    EXPECT_EQ(plan->Summarize().bytes_to_write, 0);
   }
 }
 
@@ -423,12 +464,12 @@ TEST(ReshardPlan, DataParallelGrowthFetchesOnlyForNewRanks) {
   auto spec = *ModelSpec::Parse("layers=4,hidden=64,heads=4,vocab=500");
   ASSERT_TRUE(spec.ApplyParams(layout).ok());
   auto model = std::make_shared<const Model>(*spec.Build(layout, DType::kBF16));
-  auto from = std::make_shared<const Placement>(
-      *Placement::Create(layout, model, *ParallelConfig::Parse("tp=2,pp=2,dp=1")));
-  auto to = std::make_shared<const Placement>(
-      *Placement::Create(layout, model, *ParallelConfig::Parse("tp=2,pp=2,dp=2")));
+  auto from = std::make_shared<const Placement>(*Placement::Create(
+      layout, model, *ParallelConfig::Parse("tp=2,pp=2,dp=1")));
+  auto to = std::make_shared<const Placement>(*Placement::Create(
+      layout, model, *ParallelConfig::Parse("tp=2,pp=2,dp=2")));
   PlanSummary s = ReshardPlan::Create(from, to)->Summarize();
-  EXPECT_EQ(s.bytes_to_move, 0);
+  EXPECT_EQ(s.bytes_to_write, 0);
   // Ranks 0..3 of the old job exist; under dp=2, ranks 0,1 keep (pp 0, same
   // tp); ranks 2,3 are dp replicas of pp 0 but old ranks 2,3 were pp 1.
   EXPECT_EQ(s.ranks[0].bytes_fetched, 0);

@@ -141,7 +141,7 @@ def main():
         dp_only = json.loads(run("plan", "--layout", "megatron-core-gpt", "--model", model,
                                  "--from", "tp=2,pp=2,dp=2", "--to", "tp=2,pp=2,dp=3",
                                  "--json").stdout)
-        assert dp_only["bytes_to_move"] == 0, dp_only["bytes_to_move"]
+        assert dp_only["bytes_to_write"] == 0, dp_only["bytes_to_write"]
 
         # Errors: one line naming the fault, exit 1; usage errors exit 2.
         bad = run("plan", "--layout", "megatron-core-gpt", "--model", model, "--from",

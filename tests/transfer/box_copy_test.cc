@@ -10,8 +10,9 @@ namespace scalai {
 namespace {
 
 // Element-by-element reference of CopyBox.
-void NaiveCopy(const std::vector<std::byte>& src, const Shape& src_shape, const Shape& src_origin,
-               std::vector<std::byte>& dst, const Shape& dst_shape, const Shape& dst_origin,
+void NaiveCopy(const std::vector<std::byte>& src, const Shape& src_shape,
+               const Shape& src_origin, std::vector<std::byte>& dst,
+               const Shape& dst_shape, const Shape& dst_origin,
                const Shape& box, int elem) {
   const int64_t n = *NumElements(box);
   const Shape ss = RowMajorStrides(src_shape), ds = RowMajorStrides(dst_shape);
@@ -38,10 +39,11 @@ TEST(BoxCopy, MatchesElementwiseCopyOnRandomBoxes) {
       src_shape[d] = box[d] + rng() % 3;
       dst_shape[d] = box[d] + rng() % 3;
       so[d] = src_shape[d] == box[d] ? 0 : rng() % (src_shape[d] - box[d] + 1);
-      doff[d] = dst_shape[d] == box[d] ? 0 : rng() % (dst_shape[d] - box[d] + 1);
+      doff[d] =
+          dst_shape[d] == box[d] ? 0 : rng() % (dst_shape[d] - box[d] + 1);
     }
-    std::vector<std::byte> src(*NumElements(src_shape) * elem), a(*NumElements(dst_shape) * elem),
-        b;
+    std::vector<std::byte> src(*NumElements(src_shape) * elem),
+        a(*NumElements(dst_shape) * elem), b;
     for (auto& x : src) x = static_cast<std::byte>(rng());
     for (auto& x : a) x = static_cast<std::byte>(rng());
     b = a;

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The main job's demo: installs what it needs, builds Scalai, writes a small
+# synthetic GPT checkpoint under one parallel config, and shows what changing
+# tp, pp and dp would move. Grows with each capability.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash tools/install-deps.sh
+if [[ ! -d build/meson-private ]]; then meson setup build >/dev/null; fi
+meson compile -C build >/dev/null
+
+scalai=build/tools/scalai
+work=$(mktemp -d /tmp/scalai-demo.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+model="layers=8,hidden=512,heads=8,groups=2,vocab=32000,gated_linear_unit=1"
+
+if [[ -t 1 ]]; then bold=$'\033[1m' plain=$'\033[0m'; else bold='' plain=''; fi
+step() { printf '\n%s$ %s%s\n' "$bold" "$*" "$plain"; "$@"; }
+
+echo "== A Megatron-Core GPT (8 layers, SwiGLU, GQA) saved under tp=2,pp=2,dp=2 =="
+step "$scalai" synth "$work/ckpt" --layout megatron-core-gpt --model "$model" \
+  --config tp=2,pp=2,dp=2 --dtype bf16 --seed 1
+step ls -l "$work/ckpt"/rank-00000 "$work/ckpt"/rank-00005
+
+echo
+echo "== Shrink to 4 GPUs as tp=4,pp=1,dp=1: what moves? =="
+step "$scalai" plan --layout megatron-core-gpt --model "$model" \
+  --from tp=2,pp=2,dp=2 --to tp=4,pp=1,dp=1
+
+echo
+echo "== Grow to 16 GPUs as tp=2,pp=2,dp=4: new ranks fetch, the store writes nothing =="
+step "$scalai" plan --layout megatron-core-gpt --model "$model" \
+  --from tp=2,pp=2,dp=2 --to tp=2,pp=2,dp=4
