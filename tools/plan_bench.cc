@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
     auto t3 = Clock::now();
     std::printf(
         "rep %d: placements %.3f s, plan %.3f s, summary %.3f s, total %.3f s "
-        "(%zu ranks summarized, %s to move)\n",
+        "(%zu ranks summarized, %s to write)\n",
         rep, Seconds(t0, t1), Seconds(t1, t2), Seconds(t2, t3), Seconds(t0, t3),
         summary.ranks.size(),
         scalai::HumanBytes(summary.bytes_to_write).c_str());
