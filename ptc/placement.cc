@@ -185,6 +185,24 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
   return p;
 }
 
+Placement Placement::CreateFull(std::shared_ptr<const Model> model) {
+  Placement p;
+  p.model_ = std::move(model);
+  p.groups_.resize(1);
+  for (int i = 0; i < p.model_->size(); ++i) {
+    const TensorInfo& t = p.model_->tensor(i);
+    TensorShard shard;
+    shard.tensor = i;
+    shard.local_name = t.name;
+    shard.local_shape = t.shape;
+    shard.pieces.push_back({Box::Full(t.shape), Box::Full(t.shape), false});
+    shard.bytes = *TensorBytes(t.shape, t.dtype);  // checked by Model::Add
+    p.groups_[0].bytes += shard.bytes;
+    p.groups_[0].shards.push_back(std::move(shard));
+  }
+  return p;
+}
+
 int Placement::ShardIndex(int group, int tensor) const {
   const std::vector<TensorShard>& s = groups_[group].shards;
   auto it = std::lower_bound(

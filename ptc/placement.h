@@ -51,6 +51,11 @@ class Placement {
                                           std::shared_ptr<const Model> model,
                                           const ParallelConfig& config);
 
+  // The unsharded model as one shard group: every tensor whole, under its
+  // global name, without vocabulary padding. Plans to and from it import and
+  // export full models.
+  static Placement CreateFull(std::shared_ptr<const Model> model);
+
   const ParallelConfig& config() const { return config_; }
   const Model& model() const { return *model_; }
   int num_groups() const { return config_.num_shard_groups(); }

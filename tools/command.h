@@ -19,6 +19,11 @@ struct Command {
   std::function<absl::Status()> run;
 };
 
+Command AddExportCommand(CLI::App& root);
+Command AddFsckCommand(CLI::App& root);
+Command AddImportCommand(CLI::App& root);
+Command AddInitCommand(CLI::App& root);
+Command AddInspectCommand(CLI::App& root);
 Command AddPlanCommand(CLI::App& root);
 Command AddSynthCommand(CLI::App& root);
 

@@ -15,7 +15,9 @@ int main(int argc, char** argv) {
   root.require_subcommand(1);
   root.set_version_flag("--version", "scalai 0.1.0");
   std::vector<scalai::Command> commands = {
-      scalai::AddPlanCommand(root),
+      scalai::AddInitCommand(root),   scalai::AddImportCommand(root),
+      scalai::AddExportCommand(root), scalai::AddInspectCommand(root),
+      scalai::AddFsckCommand(root),   scalai::AddPlanCommand(root),
       scalai::AddSynthCommand(root),
   };
   try {

@@ -1,0 +1,150 @@
+#include "ptc/catalog.h"
+
+#include "absl/strings/str_cat.h"
+#include "rocksdb/db.h"
+#include "rocksdb/options.h"
+#include "rocksdb/write_batch.h"
+
+namespace scalai {
+namespace {
+
+// Column family names, in Table order. "default" holds nothing; RocksDB
+// requires it.
+const char* const kTableNames[] = {"meta", "steps", "shards", "blobs",
+                                   "datasets"};
+constexpr int kNumTables = 5;
+
+// The one translator from RocksDB's status to ours.
+absl::Status FromRocks(const rocksdb::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  std::string message = absl::StrCat("catalog ", what, ": ", s.ToString());
+  if (s.IsNotFound()) return absl::NotFoundError(message);
+  if (s.IsCorruption()) return absl::DataLossError(message);
+  if (s.IsIOError()) return absl::UnavailableError(message);
+  if (s.IsInvalidArgument()) return absl::InvalidArgumentError(message);
+  return absl::InternalError(message);
+}
+
+void PutBigEndian(std::string& out, uint64_t v, int bytes) {
+  for (int i = bytes - 1; i >= 0; --i)
+    out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+uint64_t GetBigEndian(absl::string_view in, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes && i < static_cast<int>(in.size()); ++i) {
+    v = (v << 8) | static_cast<uint8_t>(in[i]);
+  }
+  return v;
+}
+
+}  // namespace
+
+std::string StepKey(int64_t step) {
+  std::string key;
+  PutBigEndian(key, static_cast<uint64_t>(step), 8);
+  return key;
+}
+
+std::string ShardKey(int64_t step, int group) {
+  std::string key = StepKey(step);
+  PutBigEndian(key, static_cast<uint32_t>(group), 4);
+  return key;
+}
+
+int64_t StepFromKey(absl::string_view key) {
+  return static_cast<int64_t>(GetBigEndian(key, 8));
+}
+
+int GroupFromShardKey(absl::string_view key) {
+  return static_cast<int>(GetBigEndian(key.substr(8), 4));
+}
+
+Catalog::Batch::Batch() = default;
+Catalog::Batch::~Batch() = default;
+
+void Catalog::Batch::Put(Table table, absl::string_view key,
+                         absl::string_view value) {
+  ops_.push_back({table, std::string(key), std::string(value)});
+}
+
+void Catalog::Batch::Delete(Table table, absl::string_view key) {
+  ops_.push_back({table, std::string(key), std::nullopt});
+}
+
+absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Open(const std::string& path,
+                                                       bool create) {
+  rocksdb::Options options;
+  options.create_if_missing = create;
+  options.create_missing_column_families = create;
+  options.paranoid_checks = true;
+  // The catalog is small: keep RocksDB's footprint small too.
+  options.max_open_files = 64;
+  options.keep_log_file_num = 2;
+  std::vector<rocksdb::ColumnFamilyDescriptor> families;
+  families.emplace_back(rocksdb::kDefaultColumnFamilyName,
+                        rocksdb::ColumnFamilyOptions());
+  for (const char* name : kTableNames) {
+    families.emplace_back(name, rocksdb::ColumnFamilyOptions());
+  }
+  std::unique_ptr<Catalog> catalog(new Catalog());
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::Status s =
+      rocksdb::DB::Open(options, path, families, &handles, &catalog->db_);
+  if (!s.ok()) return FromRocks(s, absl::StrCat("open ", path));
+  catalog->handles_ = std::move(handles);
+  return catalog;
+}
+
+Catalog::~Catalog() {
+  if (db_ == nullptr) return;
+  // Column family handles go before the DB.
+  for (rocksdb::ColumnFamilyHandle* h : handles_)
+    db_->DestroyColumnFamilyHandle(h);
+  delete db_;
+}
+
+absl::StatusOr<std::optional<std::string>> Catalog::Get(
+    Table table, absl::string_view key) const {
+  std::string value;
+  rocksdb::Status s =
+      db_->Get(rocksdb::ReadOptions(), handles_[static_cast<int>(table) + 1],
+               rocksdb::Slice(key.data(), key.size()), &value);
+  if (s.IsNotFound()) return std::nullopt;
+  if (!s.ok()) return FromRocks(s, "read");
+  return value;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> Catalog::Scan(
+    Table table, absl::string_view prefix) const {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(
+      rocksdb::ReadOptions(), handles_[static_cast<int>(table) + 1]));
+  for (it->Seek(rocksdb::Slice(prefix.data(), prefix.size())); it->Valid();
+       it->Next()) {
+    absl::string_view key(it->key().data(), it->key().size());
+    if (key.substr(0, prefix.size()) != prefix) break;
+    out.emplace_back(std::string(key), it->value().ToString());
+  }
+  if (!it->status().ok()) return FromRocks(it->status(), "scan");
+  return out;
+}
+
+absl::Status Catalog::Commit(const Batch& batch) {
+  rocksdb::WriteBatch wb;
+  for (const Batch::Op& op : batch.ops_) {
+    rocksdb::ColumnFamilyHandle* h = handles_[static_cast<int>(op.table) + 1];
+    if (op.value) {
+      wb.Put(h, op.key, *op.value);
+    } else {
+      wb.Delete(h, op.key);
+    }
+  }
+  rocksdb::WriteOptions options;
+  options.sync = true;
+  return FromRocks(db_->Write(options, &wb), "commit");
+}
+
+static_assert(sizeof(kTableNames) / sizeof(kTableNames[0]) == kNumTables);
+
+}  // namespace scalai

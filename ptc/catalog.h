@@ -1,0 +1,86 @@
+// The Catalog is a job store's index in RocksDB: one column family per kind of
+// record, every logical change one atomic, synced WriteBatch. Values are JSON
+// documents; keys are encoded by the functions below, and only there.
+//
+//   ASSIGN_OR_RETURN(auto catalog, Catalog::Open(dir / "catalog",
+//   /*create=*/true)); Catalog::Batch batch; batch.Put(Table::kSteps,
+//   StepKey(100), record.dump()); RETURN_IF_ERROR(catalog->Commit(batch));
+#ifndef SCALAI_PTC_CATALOG_H_
+#define SCALAI_PTC_CATALOG_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace rocksdb {
+class DB;
+class ColumnFamilyHandle;
+class WriteBatch;
+}  // namespace rocksdb
+
+namespace scalai {
+
+enum class Table {
+  kMeta,      // "layout", "model", "config": the job's description
+  kSteps,     // StepKey(step) -> the step's config and size
+  kShards,    // ShardKey(step, group) -> where a shard group's tensors lie
+  kBlobs,     // blob name -> size and checksum
+  kDatasets,  // dataset name -> registration
+};
+
+// Big-endian, so that RocksDB's byte order is step order.
+std::string StepKey(int64_t step);
+std::string ShardKey(int64_t step, int group);
+int64_t StepFromKey(absl::string_view key);
+int GroupFromShardKey(absl::string_view key);
+
+class Catalog {
+ public:
+  class Batch {
+   public:
+    Batch();
+    ~Batch();
+    void Put(Table table, absl::string_view key, absl::string_view value);
+    void Delete(Table table, absl::string_view key);
+
+   private:
+    friend class Catalog;
+    struct Op {
+      Table table;
+      std::string key;
+      std::optional<std::string> value;  // nullopt: delete
+    };
+    std::vector<Op> ops_;
+  };
+
+  // Opens the catalog at `path`; with `create`, makes it if missing.
+  static absl::StatusOr<std::unique_ptr<Catalog>> Open(const std::string& path,
+                                                       bool create);
+  ~Catalog();
+  Catalog(const Catalog&) = delete;
+  Catalog& operator=(const Catalog&) = delete;
+
+  absl::StatusOr<std::optional<std::string>> Get(Table table,
+                                                 absl::string_view key) const;
+  // Every record of `table` whose key starts with `prefix`, in key order.
+  absl::StatusOr<std::vector<std::pair<std::string, std::string>>> Scan(
+      Table table, absl::string_view prefix = "") const;
+
+  // Applies the batch atomically and durably (WAL synced), or not at all.
+  absl::Status Commit(const Batch& batch);
+
+ private:
+  Catalog() = default;
+  rocksdb::DB* db_ = nullptr;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles_;  // indexed by Table
+};
+
+}  // namespace scalai
+
+#endif  // SCALAI_PTC_CATALOG_H_

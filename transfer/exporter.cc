@@ -1,0 +1,229 @@
+#include "transfer/exporter.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <map>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+#include "ptc/reshard_plan.h"
+#include "ptc/safetensors.h"
+#include "ptc/status_macros.h"
+#include "transfer/box_copy.h"
+
+namespace scalai {
+namespace {
+
+// One output file: which destination shards it holds, in order.
+struct OutputFile {
+  std::string name;  // relative to the output directory
+  std::vector<ShardRef> shards;
+  std::map<std::string, std::string> metadata;
+};
+
+// The stored bytes of a step: every blob mapped, and where each source
+// shard's tensor lies.
+class StepBytes {
+ public:
+  static absl::StatusOr<StepBytes> Load(const Store& store,
+                                        const StepRecord& step,
+                                        const Placement& placement) {
+    StepBytes out;
+    for (int g = 0; g < step.groups; ++g) {
+      ASSIGN_OR_RETURN(ShardRecord record, store.Shard(step.step, g));
+      if (record.tensors.size() != placement.shards(g).size()) {
+        return absl::DataLossError(absl::StrCat(
+            "catalog record of step ", step.step, " group ", g, " lists ",
+            record.tensors.size(), " tensors, the placement ",
+            placement.shards(g).size()));
+      }
+      std::vector<const std::byte*> tensors;
+      for (size_t k = 0; k < record.tensors.size(); ++k) {
+        const std::string& name = record.blobs[record.tensors[k].blob];
+        auto it = out.maps_.find(name);
+        if (it == out.maps_.end()) {
+          ASSIGN_OR_RETURN(MappedFile map,
+                           MappedFile::Open(store.BlobPath(name)));
+          it = out.maps_.emplace(name, std::move(map)).first;
+        }
+        const int64_t end =
+            record.tensors[k].offset + placement.shards(g)[k].bytes;
+        if (end > it->second.size()) {
+          return absl::DataLossError(
+              absl::StrCat("blob ", name, " of step ", step.step,
+                           " is shorter than its record says (run "
+                           "scalai fsck)"));
+        }
+        tensors.push_back(it->second.data() + record.tensors[k].offset);
+      }
+      out.tensors_.push_back(std::move(tensors));
+    }
+    return out;
+  }
+
+  const std::byte* tensor(ShardRef ref) const {
+    return tensors_[ref.group][ref.shard];
+  }
+
+ private:
+  std::map<std::string, MappedFile> maps_;
+  std::vector<std::vector<const std::byte*>> tensors_;  // [group][shard]
+};
+
+absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
+                         const ReshardPlan& plan, const StepBytes& src,
+                         Progress& progress) {
+  const Placement& to = plan.to();
+  const Model& model = to.model();
+  std::vector<SafetensorsEntry> entries;
+  for (ShardRef r : file.shards) {
+    const TensorShard& s = to.shards(r.group)[r.shard];
+    entries.push_back(
+        {s.local_name, model.tensor(s.tensor).dtype, s.local_shape, 0, 0});
+  }
+  ASSIGN_OR_RETURN(SafetensorsHeader header,
+                   SafetensorsHeader::Build(std::move(entries), file.metadata));
+  const std::string path = dir + "/" + file.name;
+  const std::string tmp = path + ".tmp";
+  ASSIGN_OR_RETURN(UniqueFd out,
+                   OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644));
+  std::string head = header.Serialize();
+  RETURN_IF_ERROR(WriteAll(out.get(), head.data(), head.size(), tmp));
+  std::vector<std::byte> buffer;
+  for (ShardRef r : file.shards) {
+    const TensorShard& dst = to.shards(r.group)[r.shard];
+    const int elem = DTypeSize(model.tensor(dst.tensor).dtype);
+    ShardRef same = plan.in_place_source(r.group, r.shard);
+    if (same.valid()) {
+      // An identical stored shard: its bytes go out as they are.
+      RETURN_IF_ERROR(WriteAll(out.get(), src.tensor(same), dst.bytes, tmp));
+    } else {
+      buffer.resize(dst.bytes);
+      for (const CopyOp& op : plan.ops(r.group, r.shard)) {
+        if (!op.src.valid()) {
+          ZeroBox(buffer.data(), dst.local_shape, op.dst.origin(),
+                  op.dst.shape(), elem);
+          continue;
+        }
+        const TensorShard& s = plan.from().shards(op.src.group)[op.src.shard];
+        CopyBox(src.tensor(op.src), s.local_shape, op.src_origin, buffer.data(),
+                dst.local_shape, op.dst.origin(), op.dst.shape(), elem);
+      }
+      RETURN_IF_ERROR(WriteAll(out.get(), buffer.data(), dst.bytes, tmp));
+    }
+    progress.Add(dst.bytes);
+  }
+  if (fsync(out.get()) != 0) return ErrnoError(errno, "fsync", tmp);
+  if (rename(tmp.c_str(), path.c_str()) != 0)
+    return ErrnoError(errno, "rename", tmp);
+  return absl::OkStatus();
+}
+
+absl::Status MakeOutDir(const std::string& dir) {
+  if (mkdir(dir.c_str(), 0755) == 0) return absl::OkStatus();
+  if (errno != EEXIST) return ErrnoError(errno, "create", dir);
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat(dir, " exists and is not a directory"));
+  }
+  // An old export's leftovers (other ranks) would mix with the new one.
+  if (rmdir(dir.c_str()) == 0) return MakeOutDir(dir);
+  return absl::AlreadyExistsError(
+      absl::StrCat(dir, " exists and is not empty"));
+}
+
+}  // namespace
+
+absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
+                                              const ExportOptions& o) {
+  ASSIGN_OR_RETURN(StepRecord step, store.ResolveStep(o.step));
+  ASSIGN_OR_RETURN(std::shared_ptr<const Placement> from,
+                   store.StepPlacement(step));
+  std::shared_ptr<const Placement> to;
+  std::vector<OutputFile> files;
+  if (o.merged) {
+    to =
+        std::make_shared<const Placement>(Placement::CreateFull(store.model()));
+    const std::vector<TensorShard>& shards = to->shards(0);
+    int64_t size = 0;
+    for (size_t k = 0; k < shards.size(); ++k) {
+      if (files.empty() ||
+          (size > 0 && size + shards[k].bytes > o.max_file_bytes)) {
+        files.push_back({"", {}, {{"format", "pt"}}});
+        size = 0;
+      }
+      files.back().shards.push_back({0, static_cast<int>(k)});
+      size += shards[k].bytes;
+    }
+    for (size_t f = 0; f < files.size(); ++f) {
+      files[f].name = absl::StrFormat("model-%05d-of-%05d.safetensors", f + 1,
+                                      files.size());
+    }
+  } else {
+    if (!o.config)
+      return absl::InvalidArgumentError("export needs --config or --merged");
+    auto placement =
+        Placement::Create(store.layout(), store.model(), *o.config);
+    if (!placement.ok()) return placement.status();
+    to = std::make_shared<const Placement>(*std::move(placement));
+    const ParallelConfig& c = *o.config;
+    for (int g = 0; g < c.num_shard_groups(); ++g) {
+      const int rank = c.Rank({g % c.tp(), 0, g / c.tp()});
+      OutputFile file{
+          absl::StrFormat("rank-%05d/model.safetensors", rank), {}, {}};
+      for (size_t k = 0; k < to->shards(g).size(); ++k) {
+        file.shards.push_back({g, static_cast<int>(k)});
+      }
+      file.metadata = {{"scalai.rank", absl::StrCat(rank)},
+                       {"scalai.config", c.ToString()},
+                       {"scalai.step", absl::StrCat(step.step)}};
+      files.push_back(std::move(file));
+    }
+  }
+  ASSIGN_OR_RETURN(ReshardPlan plan, ReshardPlan::Create(from, to));
+  ASSIGN_OR_RETURN(StepBytes src, StepBytes::Load(store, step, *from));
+
+  RETURN_IF_ERROR(MakeOutDir(o.out));
+  std::set<std::string> dirs = {o.out};
+  for (const OutputFile& f : files) {
+    size_t slash = f.name.find('/');
+    if (slash == std::string::npos) continue;
+    std::string dir = o.out + "/" + f.name.substr(0, slash);
+    if (dirs.insert(dir).second && mkdir(dir.c_str(), 0755) != 0) {
+      return ErrnoError(errno, "create", dir);
+    }
+  }
+  int64_t total = 0;
+  for (const OutputFile& f : files) {
+    for (ShardRef r : f.shards) total += to->shards(r.group)[r.shard].bytes;
+  }
+  Progress progress(total, o.progress);
+  RETURN_IF_ERROR(ParallelFor(files.size(), IoThreads(), [&](size_t i) {
+    return WriteOutput(o.out, files[i], plan, src, progress);
+  }));
+  if (o.merged) {
+    nlohmann::json index = {{"metadata", {{"total_size", total}}},
+                            {"weight_map", nlohmann::json::object()}};
+    for (const OutputFile& f : files) {
+      for (ShardRef r : f.shards)
+        index["weight_map"][to->shards(0)[r.shard].local_name] = f.name;
+    }
+    std::string text = index.dump(2) + "\n";
+    std::string path = o.out + "/model.safetensors.index.json";
+    ASSIGN_OR_RETURN(UniqueFd fd,
+                     OpenFile(path, O_WRONLY | O_CREAT | O_TRUNC, 0644));
+    RETURN_IF_ERROR(WriteAll(fd.get(), text.data(), text.size(), path));
+    if (fsync(fd.get()) != 0) return ErrnoError(errno, "fsync", path);
+  }
+  for (const std::string& dir : dirs) RETURN_IF_ERROR(SyncDir(dir));
+  return ExportResult{step.step, static_cast<int>(files.size()),
+                      progress.done()};
+}
+
+}  // namespace scalai

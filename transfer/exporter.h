@@ -1,0 +1,43 @@
+// Exports a stored step as per-rank shards for any config (the bytes the mount
+// shows), or as the full model in a Hugging Face sharded directory. Output
+// files are written under temporary names, fsynced and renamed.
+//
+//   ExportOptions o{.out = "out", .config = config};
+//   ASSIGN_OR_RETURN(ExportResult r, ExportCheckpoint(*store, o));
+#ifndef SCALAI_TRANSFER_EXPORTER_H_
+#define SCALAI_TRANSFER_EXPORTER_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "ptc/parallel_config.h"
+#include "transfer/parallel.h"
+#include "transfer/store.h"
+
+namespace scalai {
+
+struct ExportOptions {
+  std::string out;
+  std::optional<int64_t> step;  // default: the newest
+  // Per-rank shards for this config; ignored with `merged`.
+  std::optional<ParallelConfig> config;
+  bool merged = false;
+  // With `merged`: the largest file before the next one starts.
+  int64_t max_file_bytes = int64_t{5} << 30;
+  ProgressFn progress;
+};
+
+struct ExportResult {
+  int64_t step = 0;
+  int files = 0;
+  int64_t bytes_written = 0;
+};
+
+absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
+                                              const ExportOptions& options);
+
+}  // namespace scalai
+
+#endif  // SCALAI_TRANSFER_EXPORTER_H_

@@ -1,0 +1,118 @@
+#include "transfer/files.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+#include "absl/strings/str_cat.h"
+
+namespace scalai {
+
+absl::Status ErrnoError(int err, absl::string_view what,
+                        absl::string_view path) {
+  return absl::ErrnoToStatus(err, absl::StrCat(what, " ", path));
+}
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
+UniqueFd::~UniqueFd() {
+  if (fd_ >= 0) close(fd_);
+}
+
+absl::StatusOr<UniqueFd> OpenFile(const std::string& path, int flags,
+                                  int mode) {
+  int fd = open(path.c_str(), flags | O_CLOEXEC, mode);
+  if (fd < 0) return ErrnoError(errno, "open", path);
+  return UniqueFd(fd);
+}
+
+absl::StatusOr<MappedFile> MappedFile::Open(const std::string& path) {
+  UniqueFd fd;
+  {
+    auto opened = OpenFile(path, O_RDONLY);
+    if (!opened.ok()) return opened.status();
+    fd = std::move(*opened);
+  }
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return ErrnoError(errno, "stat", path);
+  MappedFile m;
+  m.size_ = st.st_size;
+  if (m.size_ == 0) return m;
+  void* p = mmap(nullptr, m.size_, PROT_READ, MAP_SHARED, fd.get(), 0);
+  if (p == MAP_FAILED) return ErrnoError(errno, "mmap", path);
+  m.data_ = static_cast<std::byte*>(p);
+  return m;
+}
+
+MappedFile::MappedFile(MappedFile&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) munmap(data_, size_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+MappedFile::~MappedFile() {
+  if (data_ != nullptr) munmap(data_, size_);
+}
+
+absl::Status WriteAll(int fd, const void* data, int64_t size,
+                      absl::string_view path) {
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    ssize_t n =
+        write(fd, p, static_cast<size_t>(std::min<int64_t>(size, 1 << 30)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(errno, "write", path);
+    p += n;
+    size -= n;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PreadAll(int fd, void* data, int64_t size, int64_t offset,
+                      absl::string_view path) {
+  char* p = static_cast<char*>(data);
+  while (size > 0) {
+    ssize_t n = pread(
+        fd, p, static_cast<size_t>(std::min<int64_t>(size, 1 << 30)), offset);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(errno, "read", path);
+    if (n == 0)
+      return absl::DataLossError(
+          absl::StrCat("read ", path, ": unexpected end of file"));
+    p += n;
+    size -= n;
+    offset += n;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> FileSize(const std::string& path) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) return ErrnoError(errno, "stat", path);
+  return static_cast<int64_t>(st.st_size);
+}
+
+absl::Status SyncDir(const std::string& dir) {
+  auto fd = OpenFile(dir, O_RDONLY | O_DIRECTORY);
+  if (!fd.ok()) return fd.status();
+  if (fsync(fd->get()) != 0) return ErrnoError(errno, "fsync", dir);
+  return absl::OkStatus();
+}
+
+}  // namespace scalai

@@ -1,0 +1,68 @@
+// Plain-file plumbing for the store: an owning file descriptor, a read-only
+// mapping, whole-range reads and writes that retry short transfers, and the
+// errno translator. Every error names the path.
+//
+//   ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
+//   ASSIGN_OR_RETURN(MappedFile map, MappedFile::Open(path));
+//   RETURN_IF_ERROR(WriteAll(out.get(), map.data(), map.size(), out_path));
+#ifndef SCALAI_TRANSFER_FILES_H_
+#define SCALAI_TRANSFER_FILES_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace scalai {
+
+// errno -> absl::Status, with what was being done to which path.
+absl::Status ErrnoError(int err, absl::string_view what,
+                        absl::string_view path);
+
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept;
+  ~UniqueFd();
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+absl::StatusOr<UniqueFd> OpenFile(const std::string& path, int flags,
+                                  int mode = 0600);
+
+// A whole file mapped read-only; empty files map to nothing.
+class MappedFile {
+ public:
+  static absl::StatusOr<MappedFile> Open(const std::string& path);
+  MappedFile() = default;
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&& other) noexcept;
+  ~MappedFile();
+  const std::byte* data() const { return data_; }
+  int64_t size() const { return size_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  int64_t size_ = 0;
+};
+
+absl::Status WriteAll(int fd, const void* data, int64_t size,
+                      absl::string_view path);
+absl::Status PreadAll(int fd, void* data, int64_t size, int64_t offset,
+                      absl::string_view path);
+absl::StatusOr<int64_t> FileSize(const std::string& path);
+// fsync of a directory, so that names created in it survive a crash.
+absl::Status SyncDir(const std::string& dir);
+
+}  // namespace scalai
+
+#endif  // SCALAI_TRANSFER_FILES_H_

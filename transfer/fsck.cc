@@ -1,0 +1,152 @@
+#include "transfer/fsck.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ptc/safetensors.h"
+#include "ptc/status_macros.h"
+#include "xxhash.h"
+
+namespace scalai {
+
+absl::StatusOr<uint64_t> HashFile(const std::string& path, Progress* progress) {
+  ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
+  posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  XXH3_state_t* state = XXH3_createState();
+  absl::Cleanup free_state = [state] { XXH3_freeState(state); };
+  XXH3_64bits_reset(state);
+  constexpr size_t kChunk = 8 << 20;
+  std::unique_ptr<char[]> buffer(new char[kChunk]);
+  for (;;) {
+    ssize_t n = read(fd.get(), buffer.get(), kChunk);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(errno, "read", path);
+    if (n == 0) break;
+    XXH3_64bits_update(state, buffer.get(), n);
+    if (progress != nullptr) progress->Add(n);
+  }
+  return XXH3_64bits_digest(state);
+}
+
+absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
+                                                    ProgressFn progress_fn) {
+  std::vector<std::string> problems;
+  std::mutex mu;  // guards problems while blobs are hashed in parallel
+  auto problem = [&](std::string p) {
+    std::lock_guard<std::mutex> lock(mu);
+    problems.push_back(std::move(p));
+  };
+  ASSIGN_OR_RETURN(auto blobs, store.Blobs());
+  std::vector<std::pair<std::string, BlobRecord>> list(blobs.begin(),
+                                                       blobs.end());
+  int64_t total = 0;
+  for (const auto& [name, b] : list) total += b.size;
+  Progress progress(total, std::move(progress_fn));
+  RETURN_IF_ERROR(
+      ParallelFor(list.size(), IoThreads(), [&](size_t i) -> absl::Status {
+        const auto& [name, record] = list[i];
+        auto size = FileSize(store.BlobPath(name));
+        if (!size.ok()) {
+          problem(absl::StrCat("blob ", name, " (step ", record.step,
+                               "): missing"));
+          return absl::OkStatus();
+        }
+        if (*size != record.size) {
+          problem(absl::StrCat("blob ", name, " (step ", record.step,
+                               "): ", *size, " bytes, the catalog says ",
+                               record.size));
+          return absl::OkStatus();
+        }
+        auto hash = HashFile(store.BlobPath(name), &progress);
+        if (!hash.ok()) {
+          problem(absl::StrCat("blob ", name, ": ", hash.status().message()));
+        } else if (*hash != record.xxh3) {
+          problem(absl::StrFormat(
+              "blob %s (step %d): checksum %016x, the catalog says %016x", name,
+              record.step, *hash, record.xxh3));
+        }
+        return absl::OkStatus();
+      }));
+
+  std::set<std::string> used;
+  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store.Steps());
+  for (const StepRecord& step : steps) {
+    auto placement = store.StepPlacement(step);
+    if (!placement.ok()) {
+      problem(
+          absl::StrCat("step ", step.step, ": ", placement.status().message()));
+      continue;
+    }
+    if ((*placement)->num_groups() != step.groups) {
+      problem(absl::StrCat("step ", step.step, ": ", step.groups,
+                           " shard groups recorded, ",
+                           (*placement)->num_groups(), " expected"));
+      continue;
+    }
+    for (int g = 0; g < step.groups; ++g) {
+      auto shard = store.Shard(step.step, g);
+      if (!shard.ok()) {
+        problem(
+            absl::StrCat("step ", step.step, ": ", shard.status().message()));
+        continue;
+      }
+      const std::vector<TensorShard>& expected = (*placement)->shards(g);
+      if (shard->tensors.size() != expected.size()) {
+        problem(absl::StrCat("step ", step.step, " group ", g, ": ",
+                             shard->tensors.size(), " tensors recorded, ",
+                             expected.size(), " expected"));
+        continue;
+      }
+      // Each recorded location must be the named tensor in its blob's header.
+      std::vector<std::optional<SafetensorsHeader>> headers;
+      for (const std::string& b : shard->blobs) {
+        used.insert(b);
+        auto h =
+            blobs.contains(b)
+                ? ReadSafetensorsHeader(store.BlobPath(b))
+                : absl::StatusOr<SafetensorsHeader>(absl::NotFoundError(""));
+        if (!h.ok()) {
+          problem(absl::StrCat(
+              "step ", step.step, " group ", g, ": blob ", b,
+              blobs.contains(b) ? " has a bad header: " : " is not recorded",
+              h.status().message()));
+          headers.emplace_back();
+        } else {
+          headers.emplace_back(*std::move(h));
+        }
+      }
+      for (size_t k = 0; k < expected.size(); ++k) {
+        const ShardRecord::Location& loc = shard->tensors[k];
+        const std::optional<SafetensorsHeader>& h = headers[loc.blob];
+        if (!h) continue;
+        const SafetensorsEntry* e = h->Find(expected[k].local_name);
+        const TensorInfo& t = store.model()->tensor(expected[k].tensor);
+        if (e == nullptr || h->data_start() + e->data_begin != loc.offset ||
+            e->shape != expected[k].local_shape || e->dtype != t.dtype) {
+          problem(absl::StrCat("step ", step.step, " group ", g, ": tensor ",
+                               expected[k].local_name,
+                               " is not where the catalog says (blob ",
+                               shard->blobs[loc.blob], ")"));
+        }
+      }
+    }
+  }
+  for (const auto& [name, record] : blobs) {
+    if (!used.contains(name)) {
+      problem(absl::StrCat("blob ", name, " (step ", record.step,
+                           "): no step uses it"));
+    }
+  }
+  return problems;
+}
+
+}  // namespace scalai

@@ -1,0 +1,551 @@
+#include "transfer/importer.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+#include "ptc/safetensors.h"
+#include "ptc/status_macros.h"
+#include "xxhash.h"
+
+namespace scalai {
+namespace {
+
+using nlohmann::json;
+
+// A file to be stored as one blob.
+struct SourceFile {
+  std::string path;
+  std::string label;  // how errors name it: "rank-00003/model.safetensors"
+  SafetensorsHeader header;
+};
+
+// What an import will commit, worked out before any byte is copied.
+struct ImportPlan {
+  std::shared_ptr<const Model> model;
+  bool new_model = false;
+  std::string stored_config;        // a config, or "full"
+  std::vector<SourceFile> files;    // each becomes blob i
+  std::vector<ShardRecord> groups;  // blob indices refer to `files`
+  std::vector<std::pair<SourceFile, int>>
+      replicas;  // dp_rank > 0 shard, its group's file
+  std::optional<int64_t> step_in_metadata;
+};
+
+absl::Status UserError(absl::string_view label, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat(label, ": ", why));
+}
+
+bool IsDir(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+absl::StatusOr<SourceFile> ReadSource(const std::string& path,
+                                      const std::string& label) {
+  auto header = ReadSafetensorsHeader(path);
+  if (!header.ok()) {
+    // The codec names the path already; say it with the label users know.
+    std::string message(header.status().message());
+    if (absl::StartsWith(message, path))
+      message = label + message.substr(path.size());
+    return absl::Status(header.status().code(), message);
+  }
+  return SourceFile{path, label, *std::move(header)};
+}
+
+std::optional<int64_t> StepFromMetadata(const SafetensorsHeader& h) {
+  auto it = h.metadata().find("scalai.step");
+  if (it == h.metadata().end()) return std::nullopt;
+  int64_t step = 0;
+  const std::string& v = it->second;
+  auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), step);
+  if (ec != std::errc() || end != v.data() + v.size() || step < 0)
+    return std::nullopt;
+  return step;
+}
+
+// Checks that `file` holds exactly the tensors `shards` says, and returns
+// where each lies in it.
+absl::StatusOr<std::vector<ShardRecord::Location>> MatchShards(
+    const Model& model, const std::vector<TensorShard>& shards,
+    const SourceFile& file, int blob, absl::string_view where) {
+  std::map<absl::string_view, const SafetensorsEntry*> entries;
+  for (const SafetensorsEntry& e : file.header.tensors()) entries[e.name] = &e;
+  std::vector<ShardRecord::Location> locations;
+  for (const TensorShard& s : shards) {
+    auto it = entries.find(s.local_name);
+    if (it == entries.end()) {
+      return UserError(file.label, absl::StrCat("tensor ", s.local_name,
+                                                " is missing (the layout",
+                                                " places it on ", where, ")"));
+    }
+    const SafetensorsEntry& e = *it->second;
+    const TensorInfo& t = model.tensor(s.tensor);
+    if (e.dtype != t.dtype) {
+      return UserError(
+          file.label,
+          absl::StrCat("tensor ", s.local_name, " is ", DTypeName(e.dtype),
+                       ", expected ", DTypeName(t.dtype)));
+    }
+    if (e.shape != s.local_shape) {
+      return UserError(file.label,
+                       absl::StrCat("tensor ", s.local_name, ": expected ",
+                                    ShapeToString(s.local_shape), " on ", where,
+                                    ", got ", ShapeToString(e.shape)));
+    }
+    locations.push_back({blob, file.header.data_start() + e.data_begin});
+    entries.erase(it);
+  }
+  if (!entries.empty()) {
+    return UserError(file.label,
+                     absl::StrCat("tensor ", entries.begin()->first,
+                                  " is not one the layout places on ", where));
+  }
+  return locations;
+}
+
+// Infers the global tensors from per-group shard files: global layer numbers
+// from local ones, global extents from local ones times tp (or vocab_size).
+absl::StatusOr<Model> InferModel(
+    const Layout& layout, const ParallelConfig& config,
+    const std::vector<const SourceFile*>& group_files) {
+  const int tp = config.tp(), pp = config.pp();
+  struct Seen {
+    TensorRule rule;
+    int64_t local_layer = 0;
+  };
+  // Layers per stage from the local layer numbers each stage holds.
+  std::vector<int64_t> max_layer(pp, -1);
+  std::vector<std::vector<Seen>> seen(group_files.size());
+  for (size_t g = 0; g < group_files.size(); ++g) {
+    for (const SafetensorsEntry& e : group_files[g]->header.tensors()) {
+      auto rule = layout.Classify(e.name);
+      if (!rule.ok())
+        return UserError(group_files[g]->label, rule.status().message());
+      Seen s{*rule, rule->layer.value_or(0)};
+      if (rule->layer)
+        max_layer[g / tp] = std::max(max_layer[g / tp], *rule->layer);
+      seen[g].push_back(s);
+    }
+  }
+  std::vector<int64_t> first(pp + 1, 0);
+  if (layout.local_layer_numbering()) {
+    std::vector<int64_t> counts(pp);
+    for (int p = 0; p < pp; ++p) counts[p] = max_layer[p] + 1;
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    auto expected = config.LayersPerStage(total);
+    if (!expected.ok())
+      return UserError("checkpoint", expected.status().message());
+    if (*expected != counts) {
+      std::string got, want;
+      for (int p = 0; p < pp; ++p) {
+        absl::StrAppend(&got, p ? ":" : "", counts[p]);
+        absl::StrAppend(&want, p ? ":" : "", (*expected)[p]);
+      }
+      return UserError(
+          "checkpoint",
+          absl::StrCat("stages hold ", got, " layers but ", config.ToString(),
+                       " splits ", total, " layers as ", want,
+                       " (give the config's stages=)"));
+    }
+    for (int p = 0; p < pp; ++p) first[p + 1] = first[p] + counts[p];
+  }
+  const std::optional<int64_t> vocab_size = layout.IntParam("vocab_size");
+  Model model;
+  std::map<std::string, std::string> first_holder;  // global name -> label
+  for (size_t g = 0; g < group_files.size(); ++g) {
+    const SourceFile& file = *group_files[g];
+    for (size_t i = 0; i < file.header.tensors().size(); ++i) {
+      const SafetensorsEntry& e = file.header.tensors()[i];
+      const Seen& s = seen[g][i];
+      std::string global_name = e.name;
+      if (s.rule.layer && layout.local_layer_numbering()) {
+        global_name = absl::StrCat(
+            e.name.substr(0, s.rule.layer_digits_pos),
+            s.local_layer + first[g / tp],
+            e.name.substr(s.rule.layer_digits_pos + s.rule.layer_digits_len));
+      }
+      Shape shape = e.shape;
+      const LayoutRule& rule = *s.rule.rule;
+      if (rule.split >= 0 && rule.split < static_cast<int>(shape.size())) {
+        if (rule.vocab) {
+          if (!vocab_size) {
+            return UserError(
+                file.label,
+                absl::StrCat(
+                    "tensor ", e.name, " has padded vocabulary rows; the",
+                    " layout parameter vocab_size must be set (scalai ",
+                    "init --param vocab_size=N)"));
+          }
+          shape[rule.split] = *vocab_size;
+        } else {
+          shape[rule.split] *= tp;
+        }
+      }
+      if (const TensorInfo* known = model.Find(global_name)) {
+        if (known->dtype != e.dtype) {
+          return UserError(
+              file.label,
+              absl::StrCat("tensor ", e.name, " is ", DTypeName(e.dtype),
+                           " but ", first_holder[global_name], " has ",
+                           DTypeName(known->dtype)));
+        }
+        continue;  // shapes are checked against the placement afterwards
+      }
+      first_holder[global_name] = file.label;
+      RETURN_IF_ERROR(model.Add({global_name, e.dtype, shape}));
+    }
+  }
+  return model;
+}
+
+absl::Status PlanShards(const Store& store, const ImportOptions& o,
+                        ImportPlan& plan) {
+  const ParallelConfig& config = o.config;
+  std::map<int, std::string> rank_dirs;
+  DIR* d = opendir(o.src.c_str());
+  if (d == nullptr) return ErrnoError(errno, "list", o.src);
+  while (struct dirent* e = readdir(d)) {
+    std::string name = e->d_name;
+    int rank = 0;
+    if (name.size() == 10 && name.rfind("rank-", 0) == 0 &&
+        std::all_of(name.begin() + 5, name.end(), ::isdigit)) {
+      std::from_chars(name.data() + 5, name.data() + 10, rank);
+      rank_dirs[rank] = name;
+    }
+  }
+  closedir(d);
+  for (const auto& [rank, name] : rank_dirs) {
+    if (rank >= config.world_size()) {
+      return UserError(o.src + "/" + name,
+                       absl::StrCat("an extra rank: config ", config.ToString(),
+                                    " has ranks 0..", config.world_size() - 1));
+    }
+  }
+  // The files of dp_rank 0, one per shard group.
+  std::vector<SourceFile> group_files(config.num_shard_groups());
+  for (int g = 0; g < config.num_shard_groups(); ++g) {
+    const int rank = config.Rank({g % config.tp(), 0, g / config.tp()});
+    std::string label = absl::StrFormat("rank-%05d/model.safetensors", rank);
+    std::string path = o.src + "/" + label;
+    if (!rank_dirs.contains(rank) || !Exists(path)) {
+      return UserError(
+          o.src, absl::StrCat(label, " is missing (config ", config.ToString(),
+                              " needs every rank with dp_rank 0)"));
+    }
+    ASSIGN_OR_RETURN(group_files[g], ReadSource(path, label));
+  }
+  if (store.model() != nullptr) {
+    plan.model = store.model();
+  } else {
+    std::vector<const SourceFile*> files;
+    for (const SourceFile& f : group_files) files.push_back(&f);
+    ASSIGN_OR_RETURN(Model model, InferModel(store.layout(), config, files));
+    plan.model = std::make_shared<const Model>(std::move(model));
+    plan.new_model = true;
+  }
+  auto placement = Placement::Create(store.layout(), plan.model, config);
+  if (!placement.ok()) return UserError(o.src, placement.status().message());
+  for (int g = 0; g < config.num_shard_groups(); ++g) {
+    RankCoords c{g % config.tp(), 0, g / config.tp()};
+    std::string where = absl::StrCat("rank ", config.Rank(c), " (tp_rank ",
+                                     c.tp_rank, ", pp_rank ", c.pp_rank, ")");
+    ASSIGN_OR_RETURN(std::vector<ShardRecord::Location> locations,
+                     MatchShards(*plan.model, placement->shards(g),
+                                 group_files[g], g, where));
+    plan.groups.push_back({{}, std::move(locations)});
+  }
+  for (const auto& [rank, name] : rank_dirs) {
+    RankCoords c = config.Coords(rank);
+    if (c.dp_rank == 0) continue;
+    std::string label = name + "/model.safetensors";
+    if (!Exists(o.src + "/" + label)) continue;
+    ASSIGN_OR_RETURN(SourceFile replica,
+                     ReadSource(o.src + "/" + label, label));
+    int g = config.ShardGroup(rank);
+    if (replica.header.tensors() != group_files[g].header.tensors()) {
+      return UserError(
+          label, absl::StrCat("differs from its replica ", group_files[g].label,
+                              " (a data-parallel copy must be identical)"));
+    }
+    plan.replicas.emplace_back(std::move(replica), g);
+  }
+  plan.step_in_metadata = StepFromMetadata(group_files[0].header);
+  plan.files = std::move(group_files);
+  plan.stored_config = config.ToString();
+  return absl::OkStatus();
+}
+
+// A full model given as files: one .safetensors, or a Hugging Face index.
+absl::Status PlanFull(const Store& store, const std::vector<std::string>& paths,
+                      const std::vector<std::string>& labels,
+                      const std::map<std::string, std::string>* weight_map,
+                      ImportPlan& plan) {
+  Model found;
+  std::vector<std::pair<int, int64_t>> where;  // per found tensor: file, offset
+  for (size_t f = 0; f < paths.size(); ++f) {
+    ASSIGN_OR_RETURN(SourceFile file, ReadSource(paths[f], labels[f]));
+    for (const SafetensorsEntry& e : file.header.tensors()) {
+      if (weight_map != nullptr) {
+        auto it = weight_map->find(e.name);
+        if (it == weight_map->end() || it->second != labels[f]) {
+          return UserError(
+              labels[f], absl::StrCat("holds tensor ", e.name,
+                                      ", which the index does not map to it"));
+        }
+      }
+      if (found.Find(e.name) != nullptr) {
+        return UserError(labels[f], absl::StrCat("tensor ", e.name,
+                                                 " appears in two files"));
+      }
+      RETURN_IF_ERROR(found.Add({e.name, e.dtype, e.shape}));
+      where.emplace_back(static_cast<int>(f),
+                         file.header.data_start() + e.data_begin);
+    }
+    plan.files.push_back(std::move(file));
+  }
+  if (weight_map != nullptr) {
+    for (const auto& [name, file] : *weight_map) {
+      if (found.Find(name) == nullptr) {
+        return UserError(file, absl::StrCat("the index maps tensor ", name,
+                                            " to this file, which lacks it"));
+      }
+    }
+  }
+  if (store.model() != nullptr) {
+    plan.model = store.model();
+    for (const TensorInfo& t : plan.model->tensors()) {
+      const TensorInfo* f = found.Find(t.name);
+      if (f == nullptr)
+        return UserError("model",
+                         absl::StrCat("tensor ", t.name, " is missing"));
+      if (f->dtype != t.dtype || f->shape != t.shape) {
+        return UserError(
+            "model", absl::StrCat("tensor ", t.name, ": the store has ",
+                                  DTypeName(t.dtype), ShapeToString(t.shape),
+                                  ", the file ", DTypeName(f->dtype),
+                                  ShapeToString(f->shape)));
+      }
+    }
+    if (found.size() != plan.model->size()) {
+      for (const TensorInfo& t : found.tensors()) {
+        if (plan.model->Find(t.name) == nullptr) {
+          return UserError(
+              "model",
+              absl::StrCat("tensor ", t.name, " is not in the store's model"));
+        }
+      }
+    }
+  } else {
+    plan.model = std::make_shared<const Model>(found);
+    plan.new_model = true;
+  }
+  // The layout must serve the model: every tensor classified, vocab_size met.
+  auto check = Placement::Create(store.layout(), plan.model,
+                                 *ParallelConfig::Create(1, 1, 1));
+  if (!check.ok()) return UserError("model", check.status().message());
+  ShardRecord group;
+  for (const TensorInfo& t : plan.model->tensors()) {
+    auto [file, offset] = where[found.IndexOf(t.name)];
+    group.tensors.push_back({file, offset});
+  }
+  plan.groups.push_back(std::move(group));
+  plan.stored_config = "full";
+  plan.step_in_metadata = StepFromMetadata(plan.files[0].header);
+  return absl::OkStatus();
+}
+
+absl::Status PlanIndex(const Store& store, const std::string& dir,
+                       ImportPlan& plan) {
+  const std::string index_path = dir + "/model.safetensors.index.json";
+  std::ifstream in(index_path);
+  std::stringstream text;
+  text << in.rdbuf();
+  json j = json::parse(text.str(), nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("weight_map") ||
+      !j["weight_map"].is_object()) {
+    return UserError("model.safetensors.index.json",
+                     "not a JSON object with a \"weight_map\"");
+  }
+  std::map<std::string, std::string> weight_map;
+  std::set<std::string> files;
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    if (!file.is_string() ||
+        file.get<std::string>().find('/') != std::string::npos) {
+      return UserError(
+          "model.safetensors.index.json",
+          absl::StrCat("tensor ", name,
+                       " maps to something other than a file name"));
+    }
+    weight_map[name] = file.get<std::string>();
+    files.insert(file.get<std::string>());
+  }
+  if (files.empty())
+    return UserError("model.safetensors.index.json", "the weight_map is empty");
+  std::vector<std::string> paths, labels;
+  for (const std::string& f : files) {
+    if (!Exists(dir + "/" + f)) {
+      return UserError("model.safetensors.index.json",
+                       absl::StrCat("names ", f, ", which is missing"));
+    }
+    paths.push_back(dir + "/" + f);
+    labels.push_back(f);
+  }
+  return PlanFull(store, paths, labels, &weight_map, plan);
+}
+
+// Copies `src` to a new blob file, hashing on the way, and fsyncs it.
+absl::StatusOr<BlobRecord> CopyToBlob(const SourceFile& src,
+                                      const std::string& blob_path,
+                                      Progress& progress) {
+  ASSIGN_OR_RETURN(UniqueFd in, OpenFile(src.path, O_RDONLY));
+  ASSIGN_OR_RETURN(UniqueFd out,
+                   OpenFile(blob_path, O_WRONLY | O_CREAT | O_EXCL, 0600));
+  posix_fadvise(in.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  XXH3_state_t* state = XXH3_createState();
+  absl::Cleanup free_state = [state] { XXH3_freeState(state); };
+  XXH3_64bits_reset(state);
+  constexpr size_t kChunk = 8 << 20;
+  std::unique_ptr<char[]> buffer(new char[kChunk]);
+  int64_t size = 0;
+  for (;;) {
+    ssize_t n = read(in.get(), buffer.get(), kChunk);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(errno, "read", src.path);
+    if (n == 0) break;
+    XXH3_64bits_update(state, buffer.get(), n);
+    RETURN_IF_ERROR(WriteAll(out.get(), buffer.get(), n, blob_path));
+    size += n;
+    progress.Add(n);
+  }
+  if (size != src.header.file_size()) {
+    return UserError(src.label, "changed while it was imported");
+  }
+  if (fsync(out.get()) != 0) return ErrnoError(errno, "fsync", blob_path);
+  return BlobRecord{size, XXH3_64bits_digest(state), 0};
+}
+
+absl::Status CompareReplica(const SourceFile& replica,
+                            const SourceFile& primary) {
+  ASSIGN_OR_RETURN(MappedFile a, MappedFile::Open(replica.path));
+  ASSIGN_OR_RETURN(MappedFile b, MappedFile::Open(primary.path));
+  const int64_t da = replica.header.data_start(),
+                db = primary.header.data_start();
+  if (a.size() - da != b.size() - db ||
+      std::memcmp(a.data() + da, b.data() + db, a.size() - da) != 0) {
+    return UserError(replica.label,
+                     absl::StrCat("differs from its replica ", primary.label,
+                                  " (a data-parallel copy must be identical)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ImportResult> ImportCheckpoint(Store& store,
+                                              const ImportOptions& o) {
+  ImportPlan plan;
+  if (!Exists(o.src))
+    return absl::NotFoundError(
+        absl::StrCat(o.src, ": no such file or directory"));
+  if (!IsDir(o.src)) {
+    RETURN_IF_ERROR(PlanFull(store, {o.src}, {o.src}, nullptr, plan));
+  } else if (Exists(o.src + "/model.safetensors.index.json")) {
+    RETURN_IF_ERROR(PlanIndex(store, o.src, plan));
+  } else if (Exists(o.src + "/rank-00000") ||
+             !Exists(o.src + "/model.safetensors")) {
+    RETURN_IF_ERROR(PlanShards(store, o, plan));
+  } else {
+    RETURN_IF_ERROR(PlanFull(store, {o.src + "/model.safetensors"},
+                             {"model.safetensors"}, nullptr, plan));
+  }
+  if (plan.stored_config == "full") {
+    // The config becomes the store's current one: it must serve the model.
+    auto placement = Placement::Create(store.layout(), plan.model, o.config);
+    if (!placement.ok()) return UserError(o.src, placement.status().message());
+  }
+  const int64_t step = o.step.value_or(plan.step_in_metadata.value_or(0));
+  ASSIGN_OR_RETURN(std::optional<StepRecord> existing, store.FindStep(step));
+  if (existing) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("step ", step, " already exists in ", store.dir()));
+  }
+  for (const auto& [replica, group] : plan.replicas) {
+    RETURN_IF_ERROR(CompareReplica(replica, plan.files[group]));
+  }
+
+  // Copy. Blobs made so far are removed on any failure; a kill leaves them
+  // to the orphan sweep of the next open.
+  std::vector<std::string> names(plan.files.size());
+  for (std::string& n : names) n = Store::NewBlobName();
+  bool committed = false;
+  absl::Cleanup remove_blobs = [&] {
+    if (committed) return;
+    for (const std::string& n : names) unlink(store.BlobPath(n).c_str());
+  };
+  int64_t total = 0;
+  for (const SourceFile& f : plan.files) total += f.header.file_size();
+  Progress progress(total, o.progress);
+  std::vector<BlobRecord> blobs(plan.files.size());
+  RETURN_IF_ERROR(ParallelFor(
+      plan.files.size(), IoThreads(), [&](size_t i) -> absl::Status {
+        ASSIGN_OR_RETURN(
+            blobs[i],
+            CopyToBlob(plan.files[i], store.BlobPath(names[i]), progress));
+        blobs[i].step = step;
+        return absl::OkStatus();
+      }));
+  RETURN_IF_ERROR(SyncDir(store.blob_dir()));
+
+  StepRecord record{step, plan.stored_config,
+                    static_cast<int>(plan.groups.size()), 0};
+  Catalog::Batch batch;
+  for (size_t g = 0; g < plan.groups.size(); ++g) {
+    ShardRecord& shard = plan.groups[g];
+    // Per-rank shards: group g is file g; a full model spans every file.
+    if (plan.stored_config == "full") {
+      shard.blobs = names;
+    } else {
+      shard.blobs = {names[g]};
+      for (ShardRecord::Location& loc : shard.tensors) loc.blob = 0;
+    }
+    batch.Put(Table::kShards, ShardKey(step, static_cast<int>(g)),
+              Store::EncodeShard(shard));
+  }
+  for (size_t i = 0; i < names.size(); ++i) {
+    batch.Put(Table::kBlobs, names[i], Store::EncodeBlob(blobs[i]));
+    record.bytes += plan.files[i].header.data_bytes();
+  }
+  batch.Put(Table::kSteps, StepKey(step), Store::EncodeStep(record));
+  if (plan.new_model)
+    batch.Put(Table::kMeta, "model", Store::EncodeModel(*plan.model));
+  if (!store.current_config())
+    batch.Put(Table::kMeta, "config", o.config.ToString());
+  RETURN_IF_ERROR(store.catalog().Commit(batch));
+  committed = true;
+  return ImportResult{record, static_cast<int>(names.size()), progress.done()};
+}
+
+}  // namespace scalai

@@ -1,0 +1,284 @@
+#include "transfer/store.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <random>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+#include "ptc/status_macros.h"
+
+namespace scalai {
+namespace {
+
+using nlohmann::json;
+
+absl::Status Corrupt(absl::string_view what) {
+  return absl::DataLossError(
+      absl::StrCat("catalog record ", what, " is damaged"));
+}
+
+absl::StatusOr<json> ParseRecord(const std::string& text,
+                                 absl::string_view what) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return Corrupt(what);
+  return j;
+}
+
+absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return ErrnoError(errno, "list", dir);
+  std::vector<std::string> names;
+  while (struct dirent* e = readdir(d)) {
+    std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  closedir(d);
+  return names;
+}
+
+absl::StatusOr<UniqueFd> Lock(const std::string& dir) {
+  ASSIGN_OR_RETURN(UniqueFd fd,
+                   OpenFile(dir + "/LOCK", O_RDWR | O_CREAT, 0600));
+  if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("store ", dir, " is in use by another scalai process"));
+    }
+    return ErrnoError(errno, "lock", dir + "/LOCK");
+  }
+  return fd;
+}
+
+}  // namespace
+
+std::string Store::NewBlobName() {
+  static thread_local std::mt19937_64 rng(
+      std::random_device{}() ^ (static_cast<uint64_t>(getpid()) << 32));
+  return absl::StrFormat("%016x%016x.blob", rng(), rng());
+}
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Create(const std::string& dir,
+                                                     const Layout& layout) {
+  if (mkdir(dir.c_str(), 0700) != 0) {
+    if (errno != EEXIST) return ErrnoError(errno, "create store", dir);
+    ASSIGN_OR_RETURN(std::vector<std::string> entries, ListDir(dir));
+    if (!entries.empty()) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("store ", dir, ": directory exists and is not empty"));
+    }
+    if (chmod(dir.c_str(), 0700) != 0) return ErrnoError(errno, "chmod", dir);
+  }
+  if (mkdir((dir + "/blobs").c_str(), 0700) != 0) {
+    return ErrnoError(errno, "create", dir + "/blobs");
+  }
+  std::unique_ptr<Store> store(new Store());
+  store->dir_ = dir;
+  ASSIGN_OR_RETURN(store->lock_, Lock(dir));
+  ASSIGN_OR_RETURN(store->catalog_,
+                   Catalog::Open(dir + "/catalog", /*create=*/true));
+  Catalog::Batch batch;
+  batch.Put(Table::kMeta, "layout", layout.ToJson().dump());
+  RETURN_IF_ERROR(store->catalog_->Commit(batch));
+  RETURN_IF_ERROR(SyncDir(dir));
+  store->layout_ = layout;
+  return store;
+}
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir) {
+  struct stat st;
+  if (stat((dir + "/catalog").c_str(), &st) != 0) {
+    return absl::NotFoundError(
+        absl::StrCat(dir, " is not a scalai store (scalai init makes one)"));
+  }
+  std::unique_ptr<Store> store(new Store());
+  store->dir_ = dir;
+  ASSIGN_OR_RETURN(store->lock_, Lock(dir));
+  ASSIGN_OR_RETURN(store->catalog_,
+                   Catalog::Open(dir + "/catalog", /*create=*/false));
+  RETURN_IF_ERROR(store->Load());
+  RETURN_IF_ERROR(store->RemoveOrphans());
+  return store;
+}
+
+absl::Status Store::Load() {
+  ASSIGN_OR_RETURN(std::optional<std::string> layout,
+                   catalog_->Get(Table::kMeta, "layout"));
+  if (!layout) return Corrupt("layout");
+  ASSIGN_OR_RETURN(layout_, Layout::FromJson(*layout, "stored layout"));
+  ASSIGN_OR_RETURN(std::optional<std::string> model,
+                   catalog_->Get(Table::kMeta, "model"));
+  if (model) {
+    json j = json::parse(*model, nullptr, false);
+    if (j.is_discarded() || !j.is_array()) return Corrupt("model");
+    Model m;
+    for (const json& t : j) {
+      if (!t.is_array() || t.size() != 3 || !t[0].is_string() ||
+          !t[1].is_string() || !t[2].is_array()) {
+        return Corrupt("model");
+      }
+      auto dtype = ParseSafetensorsDType(t[1].get<std::string>());
+      if (!dtype.ok()) return Corrupt("model");
+      RETURN_IF_ERROR(
+          m.Add({t[0].get<std::string>(), *dtype, t[2].get<Shape>()}));
+    }
+    model_ = std::make_shared<const Model>(std::move(m));
+  }
+  ASSIGN_OR_RETURN(std::optional<std::string> config,
+                   catalog_->Get(Table::kMeta, "config"));
+  if (config) {
+    auto parsed = ParallelConfig::Parse(*config);
+    if (!parsed.ok()) return Corrupt("config");
+    config_ = *parsed;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::RemoveOrphans() {
+  ASSIGN_OR_RETURN(auto blobs, Blobs());
+  ASSIGN_OR_RETURN(std::vector<std::string> files, ListDir(blob_dir()));
+  for (const std::string& name : files) {
+    if (blobs.contains(name)) continue;
+    if (unlink(BlobPath(name).c_str()) != 0 && errno != ENOENT) {
+      return ErrnoError(errno, "remove orphaned blob", BlobPath(name));
+    }
+    ++orphans_removed_;
+  }
+  if (orphans_removed_ > 0) RETURN_IF_ERROR(SyncDir(blob_dir()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<StepRecord>> Store::Steps() const {
+  ASSIGN_OR_RETURN(auto records, catalog_->Scan(Table::kSteps));
+  std::vector<StepRecord> steps;
+  for (const auto& [key, value] : records) {
+    std::string what = absl::StrCat("step ", StepFromKey(key));
+    ASSIGN_OR_RETURN(json j, ParseRecord(value, what));
+    if (!j.contains("config") || !j["config"].is_string() ||
+        !j.contains("groups") || !j["groups"].is_number_integer() ||
+        !j.contains("bytes")) {
+      return Corrupt(what);
+    }
+    steps.push_back({StepFromKey(key), j["config"].get<std::string>(),
+                     j["groups"].get<int>(), j["bytes"].get<int64_t>()});
+  }
+  return steps;
+}
+
+absl::StatusOr<std::optional<StepRecord>> Store::FindStep(int64_t step) const {
+  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
+  for (const StepRecord& s : steps) {
+    if (s.step == step) return s;
+  }
+  return std::nullopt;
+}
+
+absl::StatusOr<StepRecord> Store::ResolveStep(
+    std::optional<int64_t> step) const {
+  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
+  if (steps.empty())
+    return absl::NotFoundError(absl::StrCat("store ", dir_, " has no steps"));
+  if (!step) return steps.back();
+  for (const StepRecord& s : steps) {
+    if (s.step == *step) return s;
+  }
+  return absl::NotFoundError(
+      absl::StrCat("store ", dir_, " has no step ", *step));
+}
+
+absl::StatusOr<ShardRecord> Store::Shard(int64_t step, int group) const {
+  std::string what = absl::StrCat("step ", step, " group ", group);
+  ASSIGN_OR_RETURN(std::optional<std::string> value,
+                   catalog_->Get(Table::kShards, ShardKey(step, group)));
+  if (!value)
+    return absl::DataLossError(
+        absl::StrCat("catalog record ", what, " is missing"));
+  ASSIGN_OR_RETURN(json j, ParseRecord(*value, what));
+  ShardRecord shard;
+  if (!j.contains("blobs") || !j["blobs"].is_array() ||
+      !j.contains("tensors") || !j["tensors"].is_array()) {
+    return Corrupt(what);
+  }
+  for (const json& b : j["blobs"]) {
+    if (!b.is_string()) return Corrupt(what);
+    shard.blobs.push_back(b.get<std::string>());
+  }
+  for (const json& t : j["tensors"]) {
+    if (!t.is_array() || t.size() != 2 || !t[0].is_number_integer() ||
+        !t[1].is_number_integer()) {
+      return Corrupt(what);
+    }
+    ShardRecord::Location loc{t[0].get<int>(), t[1].get<int64_t>()};
+    if (loc.blob < 0 || loc.blob >= static_cast<int>(shard.blobs.size()) ||
+        loc.offset < 0) {
+      return Corrupt(what);
+    }
+    shard.tensors.push_back(loc);
+  }
+  return shard;
+}
+
+absl::StatusOr<std::map<std::string, BlobRecord>> Store::Blobs() const {
+  ASSIGN_OR_RETURN(auto records, catalog_->Scan(Table::kBlobs));
+  std::map<std::string, BlobRecord> blobs;
+  for (const auto& [key, value] : records) {
+    std::string what = absl::StrCat("blob ", key);
+    ASSIGN_OR_RETURN(json j, ParseRecord(value, what));
+    if (!j.contains("size") || !j.contains("xxh3") || !j["xxh3"].is_string())
+      return Corrupt(what);
+    BlobRecord b;
+    b.size = j["size"].get<int64_t>();
+    b.xxh3 = std::stoull(j["xxh3"].get<std::string>(), nullptr, 16);
+    b.step = j.value("step", int64_t{0});
+    blobs[key] = b;
+  }
+  return blobs;
+}
+
+absl::StatusOr<std::shared_ptr<const Placement>> Store::StepPlacement(
+    const StepRecord& step) const {
+  if (model_ == nullptr) return Corrupt("model");
+  if (step.full())
+    return std::make_shared<const Placement>(Placement::CreateFull(model_));
+  auto config = ParallelConfig::Parse(step.config);
+  if (!config.ok()) return Corrupt(absl::StrCat("step ", step.step));
+  ASSIGN_OR_RETURN(Placement p, Placement::Create(layout_, model_, *config));
+  return std::make_shared<const Placement>(std::move(p));
+}
+
+std::string Store::EncodeModel(const Model& model) {
+  json j = json::array();
+  for (const TensorInfo& t : model.tensors()) {
+    j.push_back({t.name, std::string(DTypeName(t.dtype)), t.shape});
+  }
+  return j.dump();
+}
+
+std::string Store::EncodeStep(const StepRecord& step) {
+  return json{
+      {"config", step.config}, {"groups", step.groups}, {"bytes", step.bytes}}
+      .dump();
+}
+
+std::string Store::EncodeShard(const ShardRecord& shard) {
+  json tensors = json::array();
+  for (const ShardRecord::Location& loc : shard.tensors)
+    tensors.push_back({loc.blob, loc.offset});
+  return json{{"blobs", shard.blobs}, {"tensors", tensors}}.dump();
+}
+
+std::string Store::EncodeBlob(const BlobRecord& blob) {
+  return json{{"size", blob.size},
+              {"xxh3", absl::StrFormat("%016x", blob.xxh3)},
+              {"step", blob.step}}
+      .dump();
+}
+
+}  // namespace scalai

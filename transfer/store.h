@@ -1,0 +1,116 @@
+// A Store is one job's state on disk: a directory private to its owner with a
+// RocksDB catalog and immutable blob files. A step's shards live in blobs that
+// are fully written and fsynced before the one catalog batch that names them
+// commits; blobs that no record names (a crash's leftovers) are removed when
+// the store is opened. One process at a time holds a store (a lock file).
+//
+//   ASSIGN_OR_RETURN(auto store, Store::Open("/data/job"));
+//   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store->Steps());
+//   ASSIGN_OR_RETURN(ShardRecord shard, store->Shard(steps.back().step,
+//   group));
+#ifndef SCALAI_TRANSFER_STORE_H_
+#define SCALAI_TRANSFER_STORE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "ptc/catalog.h"
+#include "ptc/layout.h"
+#include "ptc/model.h"
+#include "ptc/parallel_config.h"
+#include "ptc/placement.h"
+#include "transfer/files.h"
+
+namespace scalai {
+
+// A committed step: the config its shards are stored under, or "full" for an
+// unsharded model stored once.
+struct StepRecord {
+  int64_t step = 0;
+  std::string config;
+  int groups = 0;
+  int64_t bytes = 0;  // tensor bytes of all stored shards
+  bool full() const { return config == "full"; }
+};
+
+// Where the tensors of one stored shard group lie: tensor k of the group's
+// placement shards sits at byte `offset` of blob `blobs[blob]`.
+struct ShardRecord {
+  struct Location {
+    int blob = 0;
+    int64_t offset = 0;
+  };
+  std::vector<std::string> blobs;
+  std::vector<Location> tensors;
+};
+
+struct BlobRecord {
+  int64_t size = 0;
+  uint64_t xxh3 = 0;
+  int64_t step = 0;
+};
+
+class Store {
+ public:
+  // Makes a new store at `dir` (absent or empty), mode 0700.
+  static absl::StatusOr<std::unique_ptr<Store>> Create(const std::string& dir,
+                                                       const Layout& layout);
+  static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& dir);
+
+  const std::string& dir() const { return dir_; }
+  const Layout& layout() const { return layout_; }
+  // The global tensors, known from the first import on; null before.
+  std::shared_ptr<const Model> model() const { return model_; }
+  const std::optional<ParallelConfig>& current_config() const {
+    return config_;
+  }
+  Catalog& catalog() { return *catalog_; }
+  const Catalog& catalog() const { return *catalog_; }
+
+  std::string blob_dir() const { return dir_ + "/blobs"; }
+  std::string BlobPath(const std::string& name) const {
+    return blob_dir() + "/" + name;
+  }
+  // A fresh random blob name; never reused.
+  static std::string NewBlobName();
+  // Blob files removed by the last open because no record named them.
+  int orphans_removed() const { return orphans_removed_; }
+
+  absl::StatusOr<std::vector<StepRecord>> Steps() const;
+  absl::StatusOr<std::optional<StepRecord>> FindStep(int64_t step) const;
+  // The newest step, or the one asked for; an error names what is missing.
+  absl::StatusOr<StepRecord> ResolveStep(std::optional<int64_t> step) const;
+  absl::StatusOr<ShardRecord> Shard(int64_t step, int group) const;
+  absl::StatusOr<std::map<std::string, BlobRecord>> Blobs() const;
+  // The placement that a step's shards are stored under.
+  absl::StatusOr<std::shared_ptr<const Placement>> StepPlacement(
+      const StepRecord& step) const;
+
+  // Record codecs, shared by the writers of records.
+  static std::string EncodeModel(const Model& model);
+  static std::string EncodeStep(const StepRecord& step);
+  static std::string EncodeShard(const ShardRecord& shard);
+  static std::string EncodeBlob(const BlobRecord& blob);
+
+ private:
+  Store() = default;
+  absl::Status Load();
+  absl::Status RemoveOrphans();
+
+  std::string dir_;
+  UniqueFd lock_;
+  std::unique_ptr<Catalog> catalog_;
+  Layout layout_;
+  std::shared_ptr<const Model> model_;
+  std::optional<ParallelConfig> config_;
+  int orphans_removed_ = 0;
+};
+
+}  // namespace scalai
+
+#endif  // SCALAI_TRANSFER_STORE_H_
