@@ -73,7 +73,8 @@ void Catalog::Batch::Delete(Table table, absl::string_view key) {
 }
 
 absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Open(const std::string& path,
-                                                       bool create) {
+                                                       Mode mode) {
+  const bool create = mode == Mode::kCreate;
   rocksdb::Options options;
   options.create_if_missing = create;
   options.create_missing_column_families = create;
@@ -90,7 +91,11 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Open(const std::string& path,
   std::unique_ptr<Catalog> catalog(new Catalog());
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::Status s =
-      rocksdb::DB::Open(options, path, families, &handles, &catalog->db_);
+      mode == Mode::kReadOnly
+          ? rocksdb::DB::OpenForReadOnly(options, path, families, &handles,
+                                         &catalog->db_)
+          : rocksdb::DB::Open(options, path, families, &handles, &catalog->db_);
+  catalog->read_only_ = mode == Mode::kReadOnly;
   if (!s.ok()) return FromRocks(s, absl::StrCat("open ", path));
   catalog->handles_ = std::move(handles);
   return catalog;
@@ -131,6 +136,8 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> Catalog::Scan(
 }
 
 absl::Status Catalog::Commit(const Batch& batch) {
+  if (read_only_)
+    return absl::FailedPreconditionError("catalog opened read-only");
   rocksdb::WriteBatch wb;
   for (const Batch::Op& op : batch.ops_) {
     rocksdb::ColumnFamilyHandle* h = handles_[static_cast<int>(op.table) + 1];

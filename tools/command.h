@@ -7,12 +7,21 @@
 #ifndef SCALAI_TOOLS_COMMAND_H_
 #define SCALAI_TOOLS_COMMAND_H_
 
+#include <cstdint>
 #include <functional>
+#include <optional>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 
 namespace scalai {
+
+// The value of an optional flag such as --step, or nullopt when not given.
+inline std::optional<int64_t> OptionalValue(const CLI::Option* option,
+                                            int64_t value) {
+  if (option->count() == 0) return std::nullopt;
+  return value;
+}
 
 struct Command {
   CLI::App* app = nullptr;

@@ -42,38 +42,79 @@ class StepBytes {
             record.tensors.size(), " tensors, the placement ",
             placement.shards(g).size()));
       }
-      std::vector<const std::byte*> tensors;
+      std::vector<Tensor> tensors;
       for (size_t k = 0; k < record.tensors.size(); ++k) {
         const std::string& name = record.blobs[record.tensors[k].blob];
-        auto it = out.maps_.find(name);
-        if (it == out.maps_.end()) {
-          ASSIGN_OR_RETURN(MappedFile map,
-                           MappedFile::Open(store.BlobPath(name)));
-          it = out.maps_.emplace(name, std::move(map)).first;
+        auto it = out.blobs_.find(name);
+        if (it == out.blobs_.end()) {
+          Blob blob;
+          ASSIGN_OR_RETURN(blob.map, MappedFile::Open(store.BlobPath(name)));
+          ASSIGN_OR_RETURN(blob.fd, OpenFile(store.BlobPath(name), O_RDONLY));
+          it = out.blobs_.emplace(name, std::move(blob)).first;
         }
-        const int64_t end =
-            record.tensors[k].offset + placement.shards(g)[k].bytes;
-        if (end > it->second.size()) {
+        const int64_t offset = record.tensors[k].offset;
+        if (offset + placement.shards(g)[k].bytes > it->second.map.size()) {
           return absl::DataLossError(
               absl::StrCat("blob ", name, " of step ", step.step,
                            " is shorter than its record says (run "
                            "scalai fsck)"));
         }
-        tensors.push_back(it->second.data() + record.tensors[k].offset);
+        tensors.push_back(
+            {it->second.map.data() + offset, it->second.fd.get(), offset});
       }
       out.tensors_.push_back(std::move(tensors));
     }
     return out;
   }
 
-  const std::byte* tensor(ShardRef ref) const {
+  // A stored tensor: mapped, and as a descriptor and offset for copies that
+  // stay inside the kernel.
+  struct Tensor {
+    const std::byte* data;
+    int fd;
+    int64_t offset;
+  };
+  const Tensor& tensor(ShardRef ref) const {
     return tensors_[ref.group][ref.shard];
   }
 
  private:
-  std::map<std::string, MappedFile> maps_;
-  std::vector<std::vector<const std::byte*>> tensors_;  // [group][shard]
+  struct Blob {
+    MappedFile map;
+    UniqueFd fd;
+  };
+  std::map<std::string, Blob> blobs_;
+  std::vector<std::vector<Tensor>> tensors_;  // [group][shard]
 };
+
+// Appends `length` bytes from `offset` within a stored tensor to `out_fd`:
+// inside the kernel (as cp does), or from the mapping where it cannot.
+absl::Status AppendStored(const StepBytes::Tensor& t, int64_t offset,
+                          int64_t length, int out_fd, const std::string& path) {
+  loff_t in = t.offset + offset;
+  int64_t done = 0;
+  while (done < length) {
+    ssize_t n = copy_file_range(t.fd, &in, out_fd, nullptr, length - done, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // EXDEV, ENOSYS, EINVAL: fall back to the mapping
+    done += n;
+  }
+  return WriteAll(out_fd, t.data + offset + done, length - done, path);
+}
+
+absl::Status AppendZeros(int64_t length, int out_fd, const std::string& path) {
+  static const std::vector<std::byte> zeros(1 << 20);
+  for (int64_t done = 0; done < length;) {
+    int64_t n = std::min<int64_t>(length - done, zeros.size());
+    RETURN_IF_ERROR(WriteAll(out_fd, zeros.data(), n, path));
+    done += n;
+  }
+  return absl::OkStatus();
+}
+
+// Segments at least this long (on average) are copied inside the kernel;
+// shorter ones (rows of a split along dim 1) are gathered in memory first.
+constexpr int64_t kKernelCopyMinBytes = 256 << 10;
 
 absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
                          const ReshardPlan& plan, const StepBytes& src,
@@ -101,7 +142,23 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
     ShardRef same = plan.in_place_source(r.group, r.shard);
     if (same.valid()) {
       // An identical stored shard: its bytes go out as they are.
-      RETURN_IF_ERROR(WriteAll(out.get(), src.tensor(same), dst.bytes, tmp));
+      RETURN_IF_ERROR(
+          AppendStored(src.tensor(same), 0, dst.bytes, out.get(), tmp));
+      progress.Add(dst.bytes);
+      continue;
+    }
+    ASSIGN_OR_RETURN(std::vector<Segment> segments,
+                     plan.Resolve(r.group, r.shard, 0, dst.bytes));
+    if (static_cast<int64_t>(segments.size()) * kKernelCopyMinBytes <=
+        dst.bytes) {
+      for (const Segment& seg : segments) {
+        if (seg.src.valid()) {
+          RETURN_IF_ERROR(AppendStored(src.tensor(seg.src), seg.src_offset,
+                                       seg.length, out.get(), tmp));
+        } else {
+          RETURN_IF_ERROR(AppendZeros(seg.length, out.get(), tmp));
+        }
+      }
     } else {
       buffer.resize(dst.bytes);
       for (const CopyOp& op : plan.ops(r.group, r.shard)) {
@@ -111,14 +168,14 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
           continue;
         }
         const TensorShard& s = plan.from().shards(op.src.group)[op.src.shard];
-        CopyBox(src.tensor(op.src), s.local_shape, op.src_origin, buffer.data(),
-                dst.local_shape, op.dst.origin(), op.dst.shape(), elem);
+        CopyBox(src.tensor(op.src).data, s.local_shape, op.src_origin,
+                buffer.data(), dst.local_shape, op.dst.origin(), op.dst.shape(),
+                elem);
       }
       RETURN_IF_ERROR(WriteAll(out.get(), buffer.data(), dst.bytes, tmp));
     }
     progress.Add(dst.bytes);
   }
-  if (fsync(out.get()) != 0) return ErrnoError(errno, "fsync", tmp);
   if (rename(tmp.c_str(), path.c_str()) != 0)
     return ErrnoError(errno, "rename", tmp);
   return absl::OkStatus();
@@ -219,9 +276,8 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
     ASSIGN_OR_RETURN(UniqueFd fd,
                      OpenFile(path, O_WRONLY | O_CREAT | O_TRUNC, 0644));
     RETURN_IF_ERROR(WriteAll(fd.get(), text.data(), text.size(), path));
-    if (fsync(fd.get()) != 0) return ErrnoError(errno, "fsync", path);
   }
-  for (const std::string& dir : dirs) RETURN_IF_ERROR(SyncDir(dir));
+  RETURN_IF_ERROR(SyncFilesystem(o.out));
   return ExportResult{step.step, static_cast<int>(files.size()),
                       progress.done()};
 }

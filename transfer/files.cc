@@ -116,3 +116,14 @@ absl::Status SyncDir(const std::string& dir) {
 }
 
 }  // namespace scalai
+
+namespace scalai {
+
+absl::Status SyncFilesystem(const std::string& path) {
+  auto fd = OpenFile(path, O_RDONLY);
+  if (!fd.ok()) return fd.status();
+  if (syncfs(fd->get()) != 0) return ErrnoError(errno, "syncfs", path);
+  return absl::OkStatus();
+}
+
+}  // namespace scalai

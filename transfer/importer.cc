@@ -416,7 +416,7 @@ absl::Status PlanIndex(const Store& store, const std::string& dir,
   return PlanFull(store, paths, labels, &weight_map, plan);
 }
 
-// Copies `src` to a new blob file, hashing on the way, and fsyncs it.
+// Copies `src` to a new blob file, hashing on the way; the caller syncs.
 absl::StatusOr<BlobRecord> CopyToBlob(const SourceFile& src,
                                       const std::string& blob_path,
                                       Progress& progress) {
@@ -443,7 +443,6 @@ absl::StatusOr<BlobRecord> CopyToBlob(const SourceFile& src,
   if (size != src.header.file_size()) {
     return UserError(src.label, "changed while it was imported");
   }
-  if (fsync(out.get()) != 0) return ErrnoError(errno, "fsync", blob_path);
   return BlobRecord{size, XXH3_64bits_digest(state), 0};
 }
 
@@ -517,7 +516,8 @@ absl::StatusOr<ImportResult> ImportCheckpoint(Store& store,
         blobs[i].step = step;
         return absl::OkStatus();
       }));
-  RETURN_IF_ERROR(SyncDir(store.blob_dir()));
+  // The blobs and their names become durable before the record naming them.
+  RETURN_IF_ERROR(SyncFilesystem(store.blob_dir()));
 
   StepRecord record{step, plan.stored_config,
                     static_cast<int>(plan.groups.size()), 0};

@@ -1,6 +1,7 @@
 #include "transfer/parallel.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 

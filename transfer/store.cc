@@ -44,10 +44,10 @@ absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir) {
   return names;
 }
 
-absl::StatusOr<UniqueFd> Lock(const std::string& dir) {
+absl::StatusOr<UniqueFd> Lock(const std::string& dir, bool exclusive) {
   ASSIGN_OR_RETURN(UniqueFd fd,
                    OpenFile(dir + "/LOCK", O_RDWR | O_CREAT, 0600));
-  if (flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+  if (flock(fd.get(), (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0) {
     if (errno == EWOULDBLOCK) {
       return absl::FailedPreconditionError(
           absl::StrCat("store ", dir, " is in use by another scalai process"));
@@ -81,9 +81,9 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Create(const std::string& dir,
   }
   std::unique_ptr<Store> store(new Store());
   store->dir_ = dir;
-  ASSIGN_OR_RETURN(store->lock_, Lock(dir));
+  ASSIGN_OR_RETURN(store->lock_, Lock(dir, /*exclusive=*/true));
   ASSIGN_OR_RETURN(store->catalog_,
-                   Catalog::Open(dir + "/catalog", /*create=*/true));
+                   Catalog::Open(dir + "/catalog", Catalog::Mode::kCreate));
   Catalog::Batch batch;
   batch.Put(Table::kMeta, "layout", layout.ToJson().dump());
   RETURN_IF_ERROR(store->catalog_->Commit(batch));
@@ -92,7 +92,8 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Create(const std::string& dir,
   return store;
 }
 
-absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir) {
+absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir,
+                                                   Access access) {
   struct stat st;
   if (stat((dir + "/catalog").c_str(), &st) != 0) {
     return absl::NotFoundError(
@@ -100,11 +101,14 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir) {
   }
   std::unique_ptr<Store> store(new Store());
   store->dir_ = dir;
-  ASSIGN_OR_RETURN(store->lock_, Lock(dir));
-  ASSIGN_OR_RETURN(store->catalog_,
-                   Catalog::Open(dir + "/catalog", /*create=*/false));
+  const bool writer = access == Access::kReadWrite;
+  ASSIGN_OR_RETURN(store->lock_, Lock(dir, writer));
+  ASSIGN_OR_RETURN(
+      store->catalog_,
+      Catalog::Open(dir + "/catalog", writer ? Catalog::Mode::kReadWrite
+                                             : Catalog::Mode::kReadOnly));
   RETURN_IF_ERROR(store->Load());
-  RETURN_IF_ERROR(store->RemoveOrphans());
+  if (writer) RETURN_IF_ERROR(store->RemoveOrphans());
   return store;
 }
 

@@ -60,7 +60,11 @@ class Store {
   // Makes a new store at `dir` (absent or empty), mode 0700.
   static absl::StatusOr<std::unique_ptr<Store>> Create(const std::string& dir,
                                                        const Layout& layout);
-  static absl::StatusOr<std::unique_ptr<Store>> Open(const std::string& dir);
+  // kReadOnly shares the store with other readers and leaves orphans alone;
+  // kReadWrite holds it alone and sweeps orphaned blobs first.
+  enum class Access { kReadWrite, kReadOnly };
+  static absl::StatusOr<std::unique_ptr<Store>> Open(
+      const std::string& dir, Access access = Access::kReadWrite);
 
   const std::string& dir() const { return dir_; }
   const Layout& layout() const { return layout_; }

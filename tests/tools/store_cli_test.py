@@ -215,6 +215,19 @@ def main():
         p = run("fsck", store, expect=1)
         assert blobs[0] in p.stderr and "checksum" in p.stderr, p.stderr
 
+        # Shards written by scalai synth, against slicing of its --full model.
+        synth_model = (f"layers={LAYERS},hidden={HIDDEN},heads={HEADS},groups={GROUPS},"
+                       f"ffn={FFN},vocab={VOCAB},gated_linear_unit=1,"
+                       f"make_vocab_size_divisible_by={DIVISOR}")
+        for what in (["--config", "tp=2,pp=2,dp=1"], ["--full"]):
+            run("synth", f"{tmp}/synth{what[0]}", "--layout", "megatron-core-gpt", "--model",
+                synth_model, "--dtype", "f32", "--seed", "9", *what)
+        synth_full, _ = read_safetensors(f"{tmp}/synth--full/model.safetensors")
+        synth_store = f"{tmp}/synth-store"
+        run("init", synth_store, "--layout", "megatron-core-gpt", *PARAMS)
+        run("import", synth_store, f"{tmp}/synth--config", "--config", "tp=2,pp=2,dp=1")
+        check_export(synth_store, synth_full, "tp=3,pp=1,dp=1", f"{tmp}/synth-export")
+
         # A fresh store infers the model from shards, and says what does not fit.
         fresh = f"{tmp}/fresh"
         run("init", fresh, "--layout", "megatron-core-gpt", *PARAMS)

@@ -1,0 +1,71 @@
+// `scalai export`: a stored step as per-rank shards for any config, or merged.
+#include <cstdio>
+#include <memory>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "ptc/status_macros.h"
+#include "tools/command.h"
+#include "tools/model_options.h"
+#include "tools/progress_bar.h"
+#include "transfer/exporter.h"
+#include "transfer/store.h"
+
+namespace scalai {
+namespace {
+
+struct ExportCliOptions {
+  std::string store, out, config;
+  int64_t step = 0;
+  CLI::Option* step_option = nullptr;
+  bool merged = false;
+  int64_t max_file_bytes = int64_t{5} << 30;
+};
+
+absl::Status RunExport(const ExportCliOptions& o) {
+  ASSIGN_OR_RETURN(auto store, Store::Open(o.store, Store::Access::kReadOnly));
+  ExportOptions options;
+  options.out = o.out;
+  options.step = OptionalValue(o.step_option, o.step);
+  options.merged = o.merged;
+  options.max_file_bytes = o.max_file_bytes;
+  if (!o.merged) {
+    if (o.config.empty())
+      return absl::InvalidArgumentError("give --config C (or --merged)");
+    ASSIGN_OR_RETURN(ParallelConfig config, ParallelConfig::Parse(o.config));
+    options.config = config;
+  }
+  ProgressBar bar("export");
+  options.progress = bar.Callback();
+  auto result = ExportCheckpoint(*store, options);
+  bar.Finish();
+  if (!result.ok()) return result.status();
+  std::printf("exported step %lld: %d files, %s\n",
+              static_cast<long long>(result->step), result->files,
+              HumanBytes(result->bytes_written).c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Command AddExportCommand(CLI::App& root) {
+  auto o = std::make_shared<ExportCliOptions>();
+  CLI::App* app = root.add_subcommand(
+      "export", "Write a step as per-rank shards for a config, or merged");
+  app->add_option("STORE", o->store, "store directory")->required();
+  app->add_option("OUT", o->out, "output directory (new or empty)")->required();
+  auto* config =
+      app->add_option("--config", o->config, "config of the shards to write");
+  auto* merged =
+      app->add_flag("--merged", o->merged,
+                    "write the full model as a Hugging Face sharded directory");
+  config->excludes(merged);
+  o->step_option =
+      app->add_option("--step", o->step, "step (default: the newest)");
+  app->add_option("--max-file-bytes", o->max_file_bytes,
+                  "with --merged: bytes per file")
+      ->capture_default_str();
+  return {app, [o] { return RunExport(*o); }};
+}
+
+}  // namespace scalai
