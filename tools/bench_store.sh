@@ -3,6 +3,8 @@
 # same files, in the same run, on the same filesystem. Run by hand:
 #   tools/bench_store.sh [WORKDIR]       (default: a temporary dir under /var/tmp)
 # Prints one line per measurement and the ratios (>= 1.0: faster than cp).
+# Each timed command starts after a sync and a pause, so that the writeback of
+# the one before (this VM disk lags by seconds) does not land on it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scalai=build/tools/scalai
@@ -16,8 +18,9 @@ config="tp=2,pp=2,dp=1"
 bytes=$(du -sb "$work/ckpt" | cut -f1)
 sync
 
-seconds() { local t0 t1; sync; t0=$(date +%s.%N); "$@" >/dev/null; t1=$(date +%s.%N); echo "$t1 - $t0" | bc -l; }
+seconds() { local t0 t1; sync; sleep 3; t0=$(date +%s.%N); "$@" >/dev/null; t1=$(date +%s.%N); echo "$t1 - $t0" | bc -l; }
 best() { printf '%s\n' "$@" | sort -g | head -n1; }
+median() { printf '%s\n' "$@" | sort -g | sed -n "$(( ($# + 1) / 2 ))p"; }
 
 cp_sync() { cp -r "$work/ckpt" "$work/cp"; sync; }
 import_once() { "$scalai" init "$work/store" --layout megatron-core-gpt --param vocab_size=32000 >/dev/null
@@ -35,8 +38,12 @@ for round in 1 2 3 4 5; do
 done
 cp_b=$(best "${cp_t[@]}") imp_b=$(best "${imp_t[@]}") exp_b=$(best "${exp_t[@]}") oth_b=$(best "${oth_t[@]}")
 gib=$(echo "$bytes / 1073741824" | bc -l)
+cp_m=$(median "${cp_t[@]}") imp_m=$(median "${imp_t[@]}") exp_m=$(median "${exp_t[@]}") oth_m=$(median "${oth_t[@]}")
 printf 'checkpoint: %.2f GiB in %s (%s), best of 5\n' "$gib" "$config" "$model"
 printf '%-34s %7.2f s  %6.2f GiB/s\n' "cp -r + sync (reference)" "$cp_b" "$(echo "$gib / $cp_b" | bc -l)"
 printf '%-34s %7.2f s  %6.2f GiB/s  %.2fx cp\n' "scalai import" "$imp_b" "$(echo "$gib / $imp_b" | bc -l)" "$(echo "$cp_b / $imp_b" | bc -l)"
 printf '%-34s %7.2f s  %6.2f GiB/s  %.2fx cp\n' "scalai export (same config)" "$exp_b" "$(echo "$gib / $exp_b" | bc -l)" "$(echo "$cp_b / $exp_b" | bc -l)"
 printf '%-34s %7.2f s  %6.2f GiB/s  %.2fx cp\n' "scalai export (tp=4,pp=1: resharded)" "$oth_b" "$(echo "$gib / $oth_b" | bc -l)" "$(echo "$cp_b / $oth_b" | bc -l)"
+printf 'medians: cp %.2f s, import %.2f s (%.2fx), export %.2f s (%.2fx), resharded export %.2f s (%.2fx)\n' \
+  "$cp_m" "$imp_m" "$(echo "$cp_m / $imp_m" | bc -l)" "$exp_m" "$(echo "$cp_m / $exp_m" | bc -l)" \
+  "$oth_m" "$(echo "$cp_m / $oth_m" | bc -l)"

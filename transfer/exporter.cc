@@ -145,6 +145,7 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
       RETURN_IF_ERROR(
           AppendStored(src.tensor(same), 0, dst.bytes, out.get(), tmp));
       progress.Add(dst.bytes);
+      StartWriteback(out.get());
       continue;
     }
     ASSIGN_OR_RETURN(std::vector<Segment> segments,
@@ -175,6 +176,7 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
       RETURN_IF_ERROR(WriteAll(out.get(), buffer.data(), dst.bytes, tmp));
     }
     progress.Add(dst.bytes);
+    StartWriteback(out.get());
   }
   if (rename(tmp.c_str(), path.c_str()) != 0)
     return ErrnoError(errno, "rename", tmp);

@@ -119,6 +119,11 @@ absl::Status SyncDir(const std::string& dir) {
 
 namespace scalai {
 
+void StartWriteback(int fd) {
+  // Advisory: a failure only means the final sync does all the work.
+  (void)sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
+}
+
 absl::Status SyncFilesystem(const std::string& path) {
   auto fd = OpenFile(path, O_RDONLY);
   if (!fd.ok()) return fd.status();

@@ -439,6 +439,7 @@ absl::StatusOr<BlobRecord> CopyToBlob(const SourceFile& src,
     RETURN_IF_ERROR(WriteAll(out.get(), buffer.get(), n, blob_path));
     size += n;
     progress.Add(n);
+    if (size % (32 << 20) < n) StartWriteback(out.get());
   }
   if (size != src.header.file_size()) {
     return UserError(src.label, "changed while it was imported");
