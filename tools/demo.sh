@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job's demo: installs what it needs, builds Scalai, writes a small
-# synthetic GPT checkpoint under one parallel config, and shows what changing
-# tp, pp and dp would move. Grows with each capability.
+# synthetic GPT checkpoint under one parallel config, keeps it in a store, and
+# shows what changing tp, pp and dp moves and the resharded shards. Grows with
+# each capability.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,9 +24,20 @@ step "$scalai" synth "$work/ckpt" --layout megatron-core-gpt --model "$model" \
 step ls -l "$work/ckpt"/rank-00000 "$work/ckpt"/rank-00005
 
 echo
+echo "== Keep it in a store: import, inspect, verify =="
+step "$scalai" init "$work/job" --layout megatron-core-gpt --param vocab_size=32000 \
+  --param gated_linear_unit=1
+step "$scalai" import "$work/job" "$work/ckpt" --config tp=2,pp=2,dp=2 --step 100
+step "$scalai" inspect "$work/job"
+step "$scalai" fsck "$work/job"
+
+echo
 echo "== Shrink to 4 GPUs as tp=4,pp=1,dp=1: what moves? =="
 step "$scalai" plan --layout megatron-core-gpt --model "$model" \
   --from tp=2,pp=2,dp=2 --to tp=4,pp=1,dp=1
+
+step "$scalai" export "$work/job" "$work/tp4" --config tp=4,pp=1,dp=1
+step ls -l "$work/tp4"/rank-00000
 
 echo
 echo "== Grow to 16 GPUs as tp=2,pp=2,dp=4: new ranks fetch, the store writes nothing =="

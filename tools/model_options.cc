@@ -7,16 +7,16 @@
 
 namespace scalai {
 
-void ModelOptions::Register(CLI::App* app) {
+void ModelOptions::Register(CLI::App* app, bool required) {
   app->add_option("--layout", layout,
                   "layout preset (megatron-core-gpt, hf-llama) or JSON file")
-      ->required();
+      ->required(required);
   app->add_option("--param", params, "layout parameter k=v (repeatable)");
   app->add_option("--model", model,
                   "model sizes: layers=,hidden=,heads=,vocab= "
                   "[groups=,ffn=,bias=,optimizer=adam,"
                   "<layout param>=]")
-      ->required();
+      ->required(required);
   app->add_option("--dtype", dtype, "parameter dtype (bf16, f16, f32, ...)")
       ->capture_default_str();
 }

@@ -19,7 +19,7 @@
 namespace scalai {
 
 struct LoadedModel {
-  Layout layout;
+  Layout layout;  // with its parameters set
   std::shared_ptr<const Model> model;
 };
 
@@ -29,7 +29,9 @@ struct ModelOptions {
   std::string model;                // k=v,...
   std::string dtype = "bf16";
 
-  void Register(CLI::App* app);
+  // With `required`, --layout and --model must be given; else a caller that
+  // has another source for the model (a store) checks them itself.
+  void Register(CLI::App* app, bool required = true);
   absl::StatusOr<LoadedModel> Load() const;
 };
 

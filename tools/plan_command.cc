@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
 #include "ptc/parallel_config.h"
@@ -11,11 +12,13 @@
 #include "ptc/status_macros.h"
 #include "tools/command.h"
 #include "tools/model_options.h"
+#include "transfer/store.h"
 
 namespace scalai {
 namespace {
 
 struct PlanOptions {
+  std::string store;
   ModelOptions model;
   std::string from;
   std::string to;
@@ -73,8 +76,33 @@ void PrintTable(const LoadedModel& m, const ReshardPlan& plan,
       HumanBytes(s.bytes_to_write).c_str());
 }
 
-absl::Status RunPlan(const PlanOptions& o) {
-  ASSIGN_OR_RETURN(LoadedModel m, o.model.Load());
+// The model and current config of a store (`scalai plan STORE --to C2`).
+absl::StatusOr<LoadedModel> FromStore(const std::string& dir,
+                                      std::string& from) {
+  ASSIGN_OR_RETURN(auto store, Store::Open(dir, Store::Access::kReadOnly));
+  if (store->model() == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "store ", dir, " has no model yet: import a checkpoint first"));
+  }
+  if (from.empty() && store->current_config())
+    from = store->current_config()->ToString();
+  return LoadedModel{store->layout(), store->model()};
+}
+
+absl::Status RunPlan(PlanOptions o) {
+  LoadedModel m;
+  if (!o.store.empty()) {
+    if (!o.model.model.empty()) {
+      return absl::InvalidArgumentError("give a STORE or --model, not both");
+    }
+    ASSIGN_OR_RETURN(m, FromStore(o.store, o.from));
+  } else {
+    if (o.model.model.empty() || o.from.empty()) {
+      return absl::InvalidArgumentError(
+          "give a STORE, or --layout, --model and --from");
+    }
+    ASSIGN_OR_RETURN(m, o.model.Load());
+  }
   ASSIGN_OR_RETURN(std::shared_ptr<const Placement> from, Place(m, o.from));
   ASSIGN_OR_RETURN(std::shared_ptr<const Placement> to, Place(m, o.to));
   ASSIGN_OR_RETURN(ReshardPlan plan, ReshardPlan::Create(from, to));
@@ -94,9 +122,10 @@ Command AddPlanCommand(CLI::App& root) {
   CLI::App* app = root.add_subcommand("plan",
                                       "Print the bytes each rank keeps and "
                                       "fetches to move between two configs");
-  o->model.Register(app);
-  app->add_option("--from", o->from, "current config, e.g. tp=2,pp=2,dp=2")
-      ->required();
+  app->add_option("STORE", o->store,
+                  "a store: its model, and its current config as --from");
+  o->model.Register(app, /*required=*/false);
+  app->add_option("--from", o->from, "current config, e.g. tp=2,pp=2,dp=2");
   app->add_option("--to", o->to, "new config")->required();
   app->add_flag("--json", o->json, "machine-readable output");
   return {app, [o] { return RunPlan(*o); }};

@@ -196,6 +196,8 @@ def main():
         assert inspect["model"]["tensors"] == len(full)
         p = run("import", store, src, "--config", "tp=3,pp=2,dp=2,stages=2:3", expect=1)
         assert "step 7 already exists" in p.stderr, p.stderr
+        plan = json.loads(run("plan", store, "--to", "tp=3,pp=2,dp=4,stages=2:3", "--json").stdout)
+        assert plan["from"] == "tp=3,pp=2,dp=2,stages=2:3" and plan["bytes_to_write"] == 0, plan
 
         # Malformed input: a clear error, an unchanged store.
         for d, config, message in corrupt_cases(tmp, full, store):
