@@ -15,6 +15,7 @@
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
 #include "transfer/box_copy.h"
+#include "transfer/step_bytes.h"
 
 namespace scalai {
 namespace {
@@ -24,67 +25,6 @@ struct OutputFile {
   std::string name;  // relative to the output directory
   std::vector<ShardRef> shards;
   std::map<std::string, std::string> metadata;
-};
-
-// The stored bytes of a step: every blob mapped, and where each source
-// shard's tensor lies.
-class StepBytes {
- public:
-  static absl::StatusOr<StepBytes> Load(const Store& store,
-                                        const StepRecord& step,
-                                        const Placement& placement) {
-    StepBytes out;
-    for (int g = 0; g < step.groups; ++g) {
-      ASSIGN_OR_RETURN(ShardRecord record, store.Shard(step.step, g));
-      if (record.tensors.size() != placement.shards(g).size()) {
-        return absl::DataLossError(absl::StrCat(
-            "catalog record of step ", step.step, " group ", g, " lists ",
-            record.tensors.size(), " tensors, the placement ",
-            placement.shards(g).size()));
-      }
-      std::vector<Tensor> tensors;
-      for (size_t k = 0; k < record.tensors.size(); ++k) {
-        const std::string& name = record.blobs[record.tensors[k].blob];
-        auto it = out.blobs_.find(name);
-        if (it == out.blobs_.end()) {
-          Blob blob;
-          ASSIGN_OR_RETURN(blob.map, MappedFile::Open(store.BlobPath(name)));
-          ASSIGN_OR_RETURN(blob.fd, OpenFile(store.BlobPath(name), O_RDONLY));
-          it = out.blobs_.emplace(name, std::move(blob)).first;
-        }
-        const int64_t offset = record.tensors[k].offset;
-        if (offset + placement.shards(g)[k].bytes > it->second.map.size()) {
-          return absl::DataLossError(
-              absl::StrCat("blob ", name, " of step ", step.step,
-                           " is shorter than its record says (run "
-                           "scalai fsck)"));
-        }
-        tensors.push_back(
-            {it->second.map.data() + offset, it->second.fd.get(), offset});
-      }
-      out.tensors_.push_back(std::move(tensors));
-    }
-    return out;
-  }
-
-  // A stored tensor: mapped, and as a descriptor and offset for copies that
-  // stay inside the kernel.
-  struct Tensor {
-    const std::byte* data;
-    int fd;
-    int64_t offset;
-  };
-  const Tensor& tensor(ShardRef ref) const {
-    return tensors_[ref.group][ref.shard];
-  }
-
- private:
-  struct Blob {
-    MappedFile map;
-    UniqueFd fd;
-  };
-  std::map<std::string, Blob> blobs_;
-  std::vector<std::vector<Tensor>> tensors_;  // [group][shard]
 };
 
 // Appends `length` bytes from `offset` within a stored tensor to `out_fd`:
