@@ -33,8 +33,10 @@ Command AddFsckCommand(CLI::App& root);
 Command AddImportCommand(CLI::App& root);
 Command AddInitCommand(CLI::App& root);
 Command AddInspectCommand(CLI::App& root);
+Command AddMountCommand(CLI::App& root);
 Command AddPlanCommand(CLI::App& root);
 Command AddSynthCommand(CLI::App& root);
+Command AddUmountCommand(CLI::App& root);
 
 }  // namespace scalai
 

@@ -18,7 +18,8 @@ int main(int argc, char** argv) {
       scalai::AddInitCommand(root),   scalai::AddImportCommand(root),
       scalai::AddExportCommand(root), scalai::AddInspectCommand(root),
       scalai::AddFsckCommand(root),   scalai::AddPlanCommand(root),
-      scalai::AddSynthCommand(root),
+      scalai::AddSynthCommand(root),  scalai::AddMountCommand(root),
+      scalai::AddUmountCommand(root),
   };
   try {
     root.parse(argc, argv);

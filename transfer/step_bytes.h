@@ -2,8 +2,8 @@
 // and open, and where each stored shard's tensor lies in them. Exports and the
 // mount's views read through it.
 //
-//   ASSIGN_OR_RETURN(StepBytes bytes, StepBytes::Load(store, step, *placement));
-//   const StepBytes::Tensor& t = bytes.tensor({group, shard});  // t.data, t.fd
+//   ASSIGN_OR_RETURN(StepBytes bytes, StepBytes::Load(store, step, *p));
+//   const StepBytes::Tensor& t = bytes.tensor({group, shard});
 #ifndef SCALAI_TRANSFER_STEP_BYTES_H_
 #define SCALAI_TRANSFER_STEP_BYTES_H_
 
@@ -24,7 +24,8 @@ namespace scalai {
 class StepBytes {
  public:
   // `placement` is the one the step is stored under (Store::StepPlacement).
-  static absl::StatusOr<StepBytes> Load(const Store& store, const StepRecord& step,
+  static absl::StatusOr<StepBytes> Load(const Store& store,
+                                        const StepRecord& step,
                                         const Placement& placement);
 
   // A stored tensor: mapped, and as a descriptor and offset for copies that
@@ -34,7 +35,9 @@ class StepBytes {
     int fd;
     int64_t offset;
   };
-  const Tensor& tensor(ShardRef ref) const { return tensors_[ref.group][ref.shard]; }
+  const Tensor& tensor(ShardRef ref) const {
+    return tensors_[ref.group][ref.shard];
+  }
 
  private:
   struct Blob {

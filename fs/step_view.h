@@ -1,0 +1,46 @@
+// A StepView is one stored step seen under a (possibly different) parallel
+// config: every rank's tensors are computed on read from the stored shards
+// through a reshard plan, so a view exists the moment it is made, whatever
+// the model's size. Reads of a shard stored as it is are plain copies.
+//
+//   ASSIGN_OR_RETURN(auto view, StepView::Create(store, step, config));
+//   RETURN_IF_ERROR(view->ReadTensor(group, shard, offset, length, buffer));
+#ifndef SCALAI_FS_STEP_VIEW_H_
+#define SCALAI_FS_STEP_VIEW_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "ptc/parallel_config.h"
+#include "ptc/placement.h"
+#include "ptc/reshard_plan.h"
+#include "transfer/step_bytes.h"
+#include "transfer/store.h"
+
+namespace scalai {
+
+class StepView {
+ public:
+  static absl::StatusOr<std::unique_ptr<StepView>> Create(
+      const Store& store, const StepRecord& step, const ParallelConfig& config);
+
+  int64_t step() const { return step_; }
+  // The placement of the view's config.
+  const Placement& placement() const { return plan_.to(); }
+
+  // Bytes [offset, offset + length) of placement().shards(group)[shard].
+  absl::Status ReadTensor(int group, int shard, int64_t offset, int64_t length,
+                          char* out) const;
+
+ private:
+  StepView(int64_t step, ReshardPlan plan, StepBytes bytes)
+      : step_(step), plan_(std::move(plan)), bytes_(std::move(bytes)) {}
+  int64_t step_;
+  ReshardPlan plan_;
+  StepBytes bytes_;
+};
+
+}  // namespace scalai
+
+#endif  // SCALAI_FS_STEP_VIEW_H_

@@ -1,0 +1,77 @@
+// The mount's tree model (SPEC section 3), free of FUSE: inodes, names,
+// attributes and the bytes of every file, built from a store for its current
+// config. The FUSE adapter only translates requests to calls on it, and unit
+// tests drive it directly.
+//
+//   ASSIGN_OR_RETURN(auto tree, Tree::Build(store, config));
+//   const Node* rank_dir = tree->Lookup(tree->Lookup(kRootIno, "ckpt")->ino,
+//   "step-00000100"); ASSIGN_OR_RETURN(int64_t n, tree->Read(*file, offset,
+//   length, buffer));
+#ifndef SCALAI_FS_TREE_H_
+#define SCALAI_FS_TREE_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "fs/step_view.h"
+#include "ptc/parallel_config.h"
+#include "transfer/store.h"
+
+namespace scalai {
+
+inline constexpr uint64_t kRootIno = 1;
+
+enum class NodeKind { kDir, kFile, kSymlink };
+
+struct Node {
+  uint64_t ino = 0;
+  uint64_t parent = 0;
+  std::string name;
+  NodeKind kind = NodeKind::kFile;
+  mode_t mode = 0444;
+  int64_t size = 0;
+  std::vector<uint64_t> children;  // sorted by name
+  // A small file's whole content, the header of a model.safetensors, or a
+  // symlink's target.
+  std::string text;
+  // Files computed from a step view: one tensor (shard >= 0) or a rank's
+  // model.safetensors (shard == -1: `text`, then the group's tensors).
+  int view = -1;
+  int group = -1;
+  int shard = -1;
+};
+
+class Tree {
+ public:
+  static absl::StatusOr<std::unique_ptr<Tree>> Build(
+      const Store& store, const ParallelConfig& config);
+
+  const ParallelConfig& config() const { return config_; }
+  const Node* Get(uint64_t ino) const;
+  const Node* Lookup(uint64_t parent, absl::string_view name) const;
+  // Reads up to `length` bytes at `offset`; returns how many (0 at the end).
+  absl::StatusOr<int64_t> Read(const Node& node, int64_t offset, int64_t length,
+                               char* out) const;
+  size_t size() const { return nodes_.size(); }
+
+ private:
+  Tree() = default;
+  Node& Add(uint64_t parent, std::string name, NodeKind kind, mode_t mode);
+  void SortChildren();
+
+  ParallelConfig config_;
+  std::vector<Node> nodes_;  // ino = index + 1
+  std::vector<std::unique_ptr<StepView>> views_;
+  // Start of each tensor in a group's model.safetensors data: [view][group].
+  std::vector<std::vector<std::vector<int64_t>>> tensor_starts_;
+};
+
+}  // namespace scalai
+
+#endif  // SCALAI_FS_TREE_H_

@@ -1,0 +1,158 @@
+// The mount's tree model, driven without FUSE: a store made from synthetic
+// shards, seen under other configs. Every view's bytes must equal the shards
+// that synth cuts directly for that config.
+#include "fs/tree.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "ptc/model_spec.h"
+#include "ptc/safetensors.h"
+#include "tools/synth.h"
+#include "transfer/importer.h"
+
+namespace scalai {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class TreeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ =
+        fs::path(::testing::TempDir()) / absl::StrFormat("tree-%d", getpid());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "src");
+    layout_ = *Layout::Load("megatron-core-gpt");
+    spec_ = *ModelSpec::Parse(
+        "layers=3,hidden=32,heads=4,groups=2,vocab=50,gated_linear_unit=1");
+    ASSERT_TRUE(spec_.ApplyParams(layout_).ok());
+    model_ = std::make_shared<const Model>(*spec_.Build(layout_, DType::kF32));
+    const ParallelConfig saved = *ParallelConfig::Parse("tp=2,pp=1,dp=1");
+    Placement p = *Placement::Create(layout_, model_, saved);
+    for (int rank = 0; rank < 2; ++rank) {
+      fs::path rank_dir = dir_ / "src" / absl::StrFormat("rank-%05d", rank);
+      fs::create_directories(rank_dir);
+      ASSERT_TRUE(
+          WriteSynthShard(p, rank, 3, (rank_dir / "model.safetensors").string())
+              .ok());
+    }
+    auto store = Store::Create((dir_ / "store").string(), layout_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ImportOptions o;
+    o.src = (dir_ / "src").string();
+    o.config = saved;
+    o.step = 42;
+    auto imported = ImportCheckpoint(**store, o);
+    ASSERT_TRUE(imported.ok()) << imported.status();
+    store->reset();
+    store_ = *Store::Open((dir_ / "store").string());
+  }
+  void TearDown() override {
+    store_.reset();
+    fs::remove_all(dir_);
+  }
+
+  const Node* Walk(const Tree& tree, std::initializer_list<const char*> path) {
+    uint64_t ino = kRootIno;
+    const Node* n = tree.Get(ino);
+    for (const char* name : path) {
+      n = tree.Lookup(ino, name);
+      if (n == nullptr) return nullptr;
+      ino = n->ino;
+    }
+    return n;
+  }
+
+  std::string ReadNode(const Tree& tree, const Node& n, int64_t chunk) {
+    std::string out(n.size, '\0');
+    for (int64_t at = 0; at < n.size; at += chunk) {
+      auto got = tree.Read(n, at, chunk, out.data() + at);
+      EXPECT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(*got, std::min(chunk, n.size - at));
+    }
+    return out;
+  }
+
+  fs::path dir_;
+  Layout layout_;
+  ModelSpec spec_;
+  std::shared_ptr<const Model> model_;
+  std::unique_ptr<Store> store_;
+};
+
+TEST_F(TreeTest, ViewsEqualShardsCutDirectlyForTheMountedConfig) {
+  for (const char* text :
+       {"tp=1,pp=3,dp=2", "tp=4,pp=1,dp=1", "tp=2,pp=2,dp=1,stages=1:2"}) {
+    SCOPED_TRACE(text);
+    const ParallelConfig config = *ParallelConfig::Parse(text);
+    auto tree = Tree::Build(*store_, config);
+    ASSERT_TRUE(tree.ok()) << tree.status();
+    Placement direct = *Placement::Create(layout_, model_, config);
+    for (int rank = 0; rank < config.world_size(); ++rank) {
+      const std::string rank_name = absl::StrFormat("rank-%05d", rank);
+      const Node* file = Walk(**tree, {"ckpt", "step-00000042",
+                                       rank_name.c_str(), "model.safetensors"});
+      ASSERT_NE(file, nullptr) << rank_name;
+      // Odd-sized chunks cross header and tensor boundaries.
+      std::string got = ReadNode(**tree, *file, 4093);
+      std::string want_path = (dir_ / "want.safetensors").string();
+      ASSERT_TRUE(WriteSynthShard(direct, rank, 3, want_path).ok());
+      std::string want = ReadAll(want_path);
+      auto got_header =
+          SafetensorsHeader::Parse(got, static_cast<int64_t>(got.size()));
+      auto want_header =
+          SafetensorsHeader::Parse(want, static_cast<int64_t>(want.size()));
+      ASSERT_TRUE(got_header.ok()) << got_header.status();
+      ASSERT_EQ(got_header->tensors(), want_header->tensors());
+      EXPECT_EQ(got_header->metadata().at("scalai.step"), "42");
+      EXPECT_EQ(got.substr(got_header->data_start()),
+                want.substr(want_header->data_start()));
+      // Each tensors/NAME file holds the same bytes as its slot in the model
+      // file.
+      for (const SafetensorsEntry& e : got_header->tensors()) {
+        const Node* t =
+            Walk(**tree, {"ckpt", "step-00000042", rank_name.c_str(), "tensors",
+                          e.name.c_str()});
+        ASSERT_NE(t, nullptr) << e.name;
+        EXPECT_EQ(ReadNode(**tree, *t, 1 << 20),
+                  got.substr(got_header->data_start() + e.data_begin,
+                             e.data_end - e.data_begin));
+      }
+    }
+  }
+}
+
+TEST_F(TreeTest, TreeHasTheSpecNamesSortedAndRefusesUnknownOnes) {
+  auto tree = *Tree::Build(*store_, *ParallelConfig::Parse("tp=2,pp=1,dp=2"));
+  const Node* root = tree->Get(kRootIno);
+  std::vector<std::string> names;
+  for (uint64_t c : root->children) names.push_back(tree->Get(c)->name);
+  EXPECT_EQ(names, (std::vector<std::string>{"ckpt", "config", "data",
+                                             "job.json", "status"}));
+  const Node* latest = Walk(*tree, {"ckpt", "latest"});
+  ASSERT_NE(latest, nullptr);
+  EXPECT_EQ(latest->kind, NodeKind::kSymlink);
+  EXPECT_EQ(latest->text, "step-00000042");
+  EXPECT_EQ(Walk(*tree, {"ckpt", "step-00000042", "rank-00004"}), nullptr);
+  EXPECT_NE(Walk(*tree, {"ckpt", "step-00000042", "rank-00003", "rank.json"}),
+            nullptr);
+  const Node* config = Walk(*tree, {"config"});
+  EXPECT_EQ(ReadNode(*tree, *config, 100), "tp=2,pp=1,dp=2\n");
+  char buf[8];
+  EXPECT_EQ(*tree->Read(*config, config->size, 8, buf),
+            0);  // at the end: nothing
+}
+
+}  // namespace
+}  // namespace scalai

@@ -1,0 +1,204 @@
+#!/usr/bin/python3
+"""The mount with real clients: a store imported from shards written by the
+test's own numpy writer is mounted under another config, and ls -lR, stat,
+find, du, cat, cmp, tar, numpy (a safetensors parser of its own, memmap) and
+torch.frombuffer read it; every rank's tensors must equal numpy slicing of
+the full tensors. Then 16 concurrent readers over all ranks, and the errors
+SPEC and POSIX prescribe. Exits 77 (skip) only where /dev/fuse is missing."""
+import errno
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+from reference import read_safetensors, write_safetensors, rank_shards, random_gpt, scalai  # noqa
+
+BIN = sys.argv[1]
+READ_SECONDS = float(os.environ.get("SCALAI_READERS_SECONDS", "60"))
+LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, DIVISOR = 4, 48, 6, 3, 96, 101, 8
+SAVED, MOUNTED = "tp=2,pp=2,dp=1", "tp=3,pp=1,dp=2"
+
+
+def run(*args, expect=0):
+    return scalai(BIN, *args, expect=expect)
+
+
+def sh(*cmd):
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    assert p.returncode == 0, f"{' '.join(cmd)}: {p.stderr}"
+    return p.stdout
+
+
+def expect_errno(code, fn, *args):
+    try:
+        fn(*args)
+    except OSError as e:
+        assert e.errno == code, (fn.__name__, args, e)
+        return
+    raise AssertionError(f"{fn.__name__}{args} did not fail with {errno.errorcode[code]}")
+
+
+def main():
+    if not os.path.exists("/dev/fuse"):
+        print("no /dev/fuse: skipped")
+        sys.exit(77)
+    rng = np.random.default_rng(5)
+    full = random_gpt(rng, LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, gated=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, store, mnt = f"{tmp}/src", f"{tmp}/store", f"{tmp}/mnt"
+        for rank, shard in rank_shards(full, SAVED, True, DIVISOR, LAYERS).items():
+            os.makedirs(f"{src}/rank-{rank:05d}")
+            write_safetensors(f"{src}/rank-{rank:05d}/model.safetensors", shard)
+        run("init", store, "--layout", "megatron-core-gpt", "--param", f"vocab_size={VOCAB}",
+            "--param", "gated_linear_unit=1", "--param", f"make_vocab_size_divisible_by={DIVISOR}")
+        run("import", store, src, "--config", SAVED, "--step", "100")
+        os.makedirs(mnt)
+        p = run("mount", store, mnt, "--config", "tp=5,pp=1,dp=1", expect=1)
+        assert "not divisible by tp=5" in p.stderr, p.stderr
+        run("mount", store, mnt, "--config", MOUNTED)
+        try:
+            check_tree(tmp, mnt, full)
+            check_errors(mnt)
+            p = run("mount", store, f"{tmp}", expect=1)
+            assert "in use by another scalai process" in p.stderr, p.stderr
+            check_concurrent_readers(mnt, full)
+        except BaseException:
+            subprocess.run(["umount", "-l", mnt])  # leave no mount behind a failure
+            raise
+        run("umount", mnt)
+        assert not os.path.ismount(mnt)
+        inspect = json.loads(run("inspect", store, "--json").stdout)
+        assert inspect["config"] == MOUNTED, inspect  # the remount switched the config
+    print("mount test: ok")
+
+
+def expected_ranks(full):
+    """Every rank of the mounted config (dp replicas included): local tensors."""
+    base = rank_shards(full, MOUNTED, True, DIVISOR, LAYERS)
+    tp, dp = 3, 2
+    out = {}
+    for rank in range(tp * dp):
+        tp_rank = rank % tp
+        out[rank] = base[tp_rank]
+    return out
+
+
+def check_tree(tmp, mnt, full):
+    assert sorted(os.listdir(mnt)) == ["ckpt", "config", "data", "job.json", "status"]
+    assert open(f"{mnt}/config").read() == MOUNTED + "\n"
+    status = json.load(open(f"{mnt}/status"))
+    assert status["state"] == "ready" and status["config"] == MOUNTED, status
+    assert os.readlink(f"{mnt}/ckpt/latest") == "step-00000100"
+    step = f"{mnt}/ckpt/latest"
+    ranks = expected_ranks(full)
+    assert sorted(os.listdir(step)) == [f"rank-{r:05d}" for r in range(6)]
+    listing = sh("ls", "-lR", mnt)
+    assert "model.safetensors" in listing and "rank-00005" in listing
+    found = sh("find", mnt).split()
+    assert f"{mnt}/ckpt/step-00000100/rank-00004/tensors/output_layer.weight" in found
+    du = int(sh("du", "-b", "-s", f"{step}/").split()[0])
+    assert du > 0
+    for rank, want in ranks.items():
+        d = f"{step}/rank-{rank:05d}"
+        got, meta = read_safetensors(f"{d}/model.safetensors")
+        assert meta == {"scalai.rank": str(rank), "scalai.config": MOUNTED,
+                        "scalai.step": "100"}, meta
+        assert sorted(got) == sorted(want), (rank, sorted(got))
+        info = json.load(open(f"{d}/rank.json"))
+        assert (info["rank"], info["tp_rank"], info["dp_rank"], info["pp_rank"]) == (
+            rank, rank % 3, rank // 3, 0), info
+        for name, x in want.items():
+            assert np.array_equal(got[name], x), (rank, name)
+            path = f"{d}/tensors/{name}"
+            assert os.stat(path).st_size == x.nbytes, (path, os.stat(path).st_size)
+            assert info["tensors"][name]["shape"] == list(x.shape)
+    # cat / cmp of a tensor file against the same bytes written by numpy.
+    name = "decoder.layers.1.mlp.linear_fc1.weight"
+    ref = f"{tmp}/ref.bin"
+    ranks[1][name].tofile(ref)
+    sh("cmp", f"{step}/rank-00001/tensors/{name}", ref)
+    assert open(ref, "rb").read() == subprocess.run(
+        ["cat", f"{step}/rank-00001/tensors/{name}"], capture_output=True).stdout
+    # tar of a rank directory round-trips the files.
+    sh("tar", "-C", f"{step}", "-cf", f"{tmp}/rank.tar", "rank-00002")
+    with tarfile.open(f"{tmp}/rank.tar") as t:
+        member = t.extractfile("rank-00002/model.safetensors").read()
+    assert member == open(f"{step}/rank-00002/model.safetensors", "rb").read()
+    # Programs that map files: numpy.memmap of model.safetensors and a tensor.
+    mm = np.memmap(f"{step}/rank-00001/tensors/{name}", dtype=np.float32, mode="r")
+    assert np.array_equal(mm.reshape(ranks[1][name].shape), ranks[1][name])
+    whole = np.memmap(f"{step}/rank-00001/model.safetensors", dtype=np.uint8, mode="r")
+    assert bytes(whole[:64]) == open(f"{step}/rank-00001/model.safetensors", "rb").read(64)
+    n = int.from_bytes(bytes(whole[:8]), "little")
+    header = json.loads(bytes(whole[8:8 + n]))
+    b, e = header[name]["data_offsets"]
+    assert bytes(whole[8 + n + b:8 + n + e]) == ranks[1][name].tobytes()
+    del mm, whole  # a mapping keeps the mount busy
+    # torch reads a tensor file.
+    import torch
+    raw = bytearray(open(f"{step}/rank-00000/tensors/output_layer.weight", "rb").read())
+    t = torch.frombuffer(raw, dtype=torch.float32).reshape(ranks[0]["output_layer.weight"].shape)
+    assert np.array_equal(t.numpy(), ranks[0]["output_layer.weight"])
+
+
+def check_errors(mnt):
+    f = f"{mnt}/ckpt/step-00000100/rank-00000/model.safetensors"
+    expect_errno(errno.EACCES, open, f, "r+b")
+    expect_errno(errno.EACCES, open, f"{mnt}/status", "w")
+    expect_errno(errno.ENOENT, open, f"{mnt}/ckpt/step-00000100/rank-00099/model.safetensors")
+    expect_errno(errno.ENOENT, os.stat, f"{mnt}/nonexistent")
+    size = os.stat(f).st_size
+    with open(f, "rb") as fh:
+        fh.seek(size - 10)
+        assert len(fh.read(100)) == 10  # a read across the end is short
+        fh.seek(size + 1000)
+        assert fh.read(100) == b""      # past the end: nothing, no error
+    fd = os.open(f, os.O_RDONLY)
+    assert os.pread(fd, 16, size) == b""
+    os.close(fd)
+
+
+def check_concurrent_readers(mnt, full):
+    ranks = expected_ranks(full)
+    files = []
+    for rank, want in ranks.items():
+        d = f"{mnt}/ckpt/step-00000100/rank-{rank:05d}"
+        for name, x in want.items():
+            files.append((f"{d}/tensors/{name}", x.tobytes()))
+    errors, reads = [], [0]
+    deadline = time.monotonic() + READ_SECONDS
+
+    def reader(seed):
+        r = random.Random(seed)
+        while time.monotonic() < deadline and not errors:
+            path, want = r.choice(files)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                off = r.randrange(len(want)) if want else 0
+                n = r.randrange(1, 1 << 16)
+                got = os.pread(fd, n, off)
+                if got != want[off:off + n]:
+                    errors.append((path, off, n))
+            finally:
+                os.close(fd)
+            reads[0] += 1
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    print(f"16 readers, {READ_SECONDS:.0f} s: {reads[0]} reads, all correct")
+
+
+if __name__ == "__main__":
+    main()

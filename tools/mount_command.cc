@@ -1,0 +1,201 @@
+// `scalai mount` and `scalai umount`: serve a store's state as files
+// (SPEC section 3), in the background unless --foreground.
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "fs/fuse_server.h"
+#include "fs/tree.h"
+#include "nlohmann/json.hpp"
+#include "ptc/status_macros.h"
+#include "tools/command.h"
+#include "transfer/store.h"
+
+namespace scalai {
+namespace {
+
+struct MountCliOptions {
+  std::string store, mountpoint, config;
+  bool foreground = false;
+  bool allow_other = false;
+};
+
+absl::StatusOr<std::string> Absolute(const std::string& path) {
+  char buf[PATH_MAX];
+  if (realpath(path.c_str(), buf) == nullptr) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("cannot resolve ", path));
+  }
+  return std::string(buf);
+}
+
+// Opens the store, switches its current config if asked, builds the tree and
+// serves it; `ready` is called once the mount exists.
+absl::Status Serve(const MountCliOptions& o,
+                   const std::function<void()>& ready) {
+  ASSIGN_OR_RETURN(auto store, Store::Open(o.store));
+  std::optional<ParallelConfig> config = store->current_config();
+  if (!o.config.empty()) {
+    ASSIGN_OR_RETURN(ParallelConfig wanted, ParallelConfig::Parse(o.config));
+    if (store->model() != nullptr) {
+      // Refused before anything changes when the layout cannot serve it.
+      ASSIGN_OR_RETURN(
+          Placement check,
+          Placement::Create(store->layout(), store->model(), wanted));
+    }
+    if (config != wanted) {
+      Catalog::Batch batch;
+      batch.Put(Table::kMeta, "config", wanted.ToString());
+      RETURN_IF_ERROR(store->catalog().Commit(batch));
+      config = wanted;
+    }
+  }
+  if (!config) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "store ", o.store,
+        " has no parallel config yet: import a checkpoint or pass --config"));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Tree> tree, Tree::Build(*store, *config));
+  MountOptions mount;
+  mount.mountpoint = o.mountpoint;
+  mount.allow_other = o.allow_other;
+  mount.on_ready = ready;
+  return ServeMount(*tree, mount);
+}
+
+absl::Status RunMount(MountCliOptions o) {
+  ASSIGN_OR_RETURN(o.store, Absolute(o.store));
+  ASSIGN_OR_RETURN(o.mountpoint, Absolute(o.mountpoint));
+  if (o.foreground) {
+    return Serve(o, [&] {
+      std::printf("mounted %s at %s\n", o.store.c_str(), o.mountpoint.c_str());
+      std::fflush(stdout);
+    });
+  }
+  // The server runs in a child: RocksDB's threads must start after the fork.
+  // The child reports "ok" or its error through a pipe, then detaches.
+  int pipefd[2];
+  if (pipe2(pipefd, O_CLOEXEC) != 0) return absl::ErrnoToStatus(errno, "pipe");
+  pid_t pid = fork();
+  if (pid < 0) return absl::ErrnoToStatus(errno, "fork");
+  if (pid == 0) {
+    close(pipefd[0]);
+    setsid();
+    int out = pipefd[1];
+    absl::Status s = Serve(o, [out] {
+      (void)!write(out, "ok", 2);
+      close(out);
+      int null = open("/dev/null", O_RDWR);
+      dup2(null, 0);
+      dup2(null, 1);
+      dup2(null, 2);
+    });
+    if (!s.ok()) {
+      std::string message(s.message());
+      (void)!write(out, message.data(), message.size());
+    }
+    _exit(s.ok() ? 0 : 1);
+  }
+  close(pipefd[1]);
+  std::string reply;
+  char buf[512];
+  for (ssize_t n; (n = read(pipefd[0], buf, sizeof(buf))) != 0;) {
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) break;
+    reply.append(buf, n);
+    if (reply == "ok") break;
+  }
+  close(pipefd[0]);
+  if (reply != "ok") {
+    waitpid(pid, nullptr, 0);
+    return absl::FailedPreconditionError(
+        reply.empty() ? "the mount process died" : reply);
+  }
+  // Return once the mount answers.
+  struct stat st;
+  if (stat((o.mountpoint + "/config").c_str(), &st) != 0) {
+    return absl::ErrnoToStatus(
+        errno, absl::StrCat("the mount at ", o.mountpoint, " does not answer"));
+  }
+  std::printf("mounted %s at %s\n", o.store.c_str(), o.mountpoint.c_str());
+  return absl::OkStatus();
+}
+
+absl::Status RunUmount(const std::string& mountpoint_arg) {
+  ASSIGN_OR_RETURN(std::string mountpoint, Absolute(mountpoint_arg));
+  std::stringstream text;
+  {
+    // Closed before unmounting: an open file keeps the mount busy.
+    std::ifstream job(mountpoint + "/job.json");
+    text << job.rdbuf();
+  }
+  nlohmann::json j = nlohmann::json::parse(text.str(), nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("store")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(mountpoint, " is not a scalai mount"));
+  }
+  const std::string store = j["store"].get<std::string>();
+  if (umount2(mountpoint.c_str(), 0) != 0) {
+    // Not root: the setuid helper unmounts FUSE mounts of their owner.
+    std::string command = absl::StrCat("fusermount3 -u '", mountpoint, "'");
+    if (std::system(command.c_str()) != 0) {
+      return absl::ErrnoToStatus(errno,
+                                 absl::StrCat("cannot unmount ", mountpoint));
+    }
+  }
+  // Wait for the server to finish and let go of the store.
+  int fd = open((store + "/LOCK").c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return absl::OkStatus();
+  for (int i = 0; i < 600; ++i) {
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      close(fd);
+      return absl::OkStatus();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  close(fd);
+  return absl::DeadlineExceededError(absl::StrCat(
+      "unmounted ", mountpoint, ", but its server still holds ", store));
+}
+
+}  // namespace
+
+Command AddMountCommand(CLI::App& root) {
+  auto o = std::make_shared<MountCliOptions>();
+  CLI::App* app =
+      root.add_subcommand("mount", "Serve a store as files at MOUNTPOINT");
+  app->add_option("STORE", o->store, "store directory")->required();
+  app->add_option("MOUNTPOINT", o->mountpoint, "an existing empty directory")
+      ->required();
+  app->add_option("--config", o->config,
+                  "switch the store to this config first");
+  app->add_flag("--foreground", o->foreground,
+                "serve in this process until unmounted");
+  app->add_flag("--allow-other", o->allow_other,
+                "let other users see the mount");
+  return {app, [o] { return RunMount(*o); }};
+}
+
+Command AddUmountCommand(CLI::App& root) {
+  auto mountpoint = std::make_shared<std::string>();
+  CLI::App* app =
+      root.add_subcommand("umount", "Unmount a scalai mount cleanly");
+  app->add_option("MOUNTPOINT", *mountpoint, "where the store is mounted")
+      ->required();
+  return {app, [mountpoint] { return RunUmount(*mountpoint); }};
+}
+
+}  // namespace scalai
