@@ -4,9 +4,9 @@
 // tests drive it directly.
 //
 //   ASSIGN_OR_RETURN(auto tree, Tree::Build(store, config));
-//   const Node* rank_dir = tree->Lookup(tree->Lookup(kRootIno, "ckpt")->ino,
-//   "step-00000100"); ASSIGN_OR_RETURN(int64_t n, tree->Read(*file, offset,
-//   length, buffer));
+//   const Node* ckpt = tree->Lookup(kRootIno, "ckpt");
+//   const Node* step = tree->Lookup(ckpt->ino, "step-00000100");
+//   ASSIGN_OR_RETURN(int64_t n, tree->Read(*file, offset, length, buf));
 #ifndef SCALAI_FS_TREE_H_
 #define SCALAI_FS_TREE_H_
 

@@ -2,8 +2,8 @@
 // shapes, in a fixed order that every placement and plan indexes by position.
 //
 //   Model model;
-//   RETURN_IF_ERROR(model.Add({"output_layer.weight", DType::kBF16, {50304,
-//   4096}})); const TensorInfo* t = model.Find("output_layer.weight");
+//   RETURN_IF_ERROR(model.Add({"output_layer.weight", DType::kBF16, {50304, 4096}}));
+//   const TensorInfo* t = model.Find("output_layer.weight");
 #ifndef SCALAI_PTC_MODEL_H_
 #define SCALAI_PTC_MODEL_H_
 

@@ -3,9 +3,9 @@
 // builds the global tensor list that a layout preset's naming implies.
 //
 //   ASSIGN_OR_RETURN(ModelSpec spec,
-//   ModelSpec::Parse("layers=2,hidden=64,heads=4,vocab=1000"));
-//   RETURN_IF_ERROR(spec.ApplyParams(layout));   // gated_linear_unit=1,
-//   vocab_size ASSIGN_OR_RETURN(Model model, spec.Build(layout, DType::kBF16));
+//                    ModelSpec::Parse("layers=2,hidden=64,heads=4,vocab=1000"));
+//   RETURN_IF_ERROR(spec.ApplyParams(layout));  // gated_linear_unit, vocab_size
+//   ASSIGN_OR_RETURN(Model model, spec.Build(layout, DType::kBF16));
 #ifndef SCALAI_PTC_MODEL_SPEC_H_
 #define SCALAI_PTC_MODEL_SPEC_H_
 

@@ -2,10 +2,9 @@
 // optional explicit split of layers over pipeline stages. Ranks are numbered in
 // Megatron order: tp varies fastest, then dp, then pp.
 //
-//   ASSIGN_OR_RETURN(ParallelConfig c,
-//   ParallelConfig::Parse("tp=2,pp=2,dp=4")); RankCoords rc = c.Coords(5);   //
-//   {tp_rank 1, dp_rank 2, pp_rank 0} ASSIGN_OR_RETURN(std::vector<int64_t>
-//   layers, c.LayersPerStage(24));
+//   ASSIGN_OR_RETURN(auto c, ParallelConfig::Parse("tp=2,pp=2,dp=4"));
+//   RankCoords rc = c.Coords(5);  // tp_rank 1, dp_rank 2, pp_rank 0
+//   ASSIGN_OR_RETURN(std::vector<int64_t> layers, c.LayersPerStage(24));
 #ifndef SCALAI_PTC_PARALLEL_CONFIG_H_
 #define SCALAI_PTC_PARALLEL_CONFIG_H_
 

@@ -4,9 +4,8 @@
 // rank keeps, fetches, and the job must write at least.
 //
 //   ASSIGN_OR_RETURN(ReshardPlan plan, ReshardPlan::Create(from, to));
-//   for (const CopyOp& op : plan.ops(group, shard)) ...   // dst box <- src box
-//   ASSIGN_OR_RETURN(auto segments, plan.Resolve(group, shard, offset,
-//   length));
+//   for (const CopyOp& op : plan.ops(group, shard)) ...  // dst box <- src box
+//   ASSIGN_OR_RETURN(auto segments, plan.Resolve(group, shard, offset, n));
 #ifndef SCALAI_PTC_RESHARD_PLAN_H_
 #define SCALAI_PTC_RESHARD_PLAN_H_
 

@@ -3,10 +3,9 @@
 // "__metadata__" of strings, then the tensors' bytes with no holes or overlaps.
 // Parsing is strict, because headers come from files Scalai did not write.
 //
-//   ASSIGN_OR_RETURN(SafetensorsHeader h, SafetensorsHeader::Parse(prefix,
-//   file_size)); for (const SafetensorsEntry& e : h.tensors()) ...  //
-//   e.data_begin + h.data_start() std::string bytes =
-//   SafetensorsHeader::Build(entries, metadata)->Serialize();
+//   ASSIGN_OR_RETURN(auto h, SafetensorsHeader::Parse(prefix, file_size));
+//   for (const SafetensorsEntry& e : h.tensors()) ...  // at data_start() + begin
+//   std::string head = SafetensorsHeader::Build(entries, meta)->Serialize();
 #ifndef SCALAI_PTC_SAFETENSORS_H_
 #define SCALAI_PTC_SAFETENSORS_H_
 

@@ -2,8 +2,9 @@
 // its parameters, a model description and a dtype, turned into a Layout and
 // a Model.
 //
-//   ModelOptions opts;  opts.Register(app);   // --layout --param --model
-//   --dtype ASSIGN_OR_RETURN(LoadedModel m, opts.Load());
+//   ModelOptions opts;
+//   opts.Register(app);  // --layout --param --model --dtype
+//   ASSIGN_OR_RETURN(LoadedModel m, opts.Load());
 #ifndef SCALAI_TOOLS_MODEL_OPTIONS_H_
 #define SCALAI_TOOLS_MODEL_OPTIONS_H_
 

@@ -3,9 +3,8 @@
 // (seed, global tensor name, global element index), so shards cut under any
 // config agree with each other and with the full model.
 //
-//   RETURN_IF_ERROR(WriteSynthShard(placement, rank, /*seed=*/1,
-//   "out/rank-00000/model.safetensors")); RETURN_IF_ERROR(WriteSynthFull(model,
-//   1, "out/model.safetensors"));
+//   RETURN_IF_ERROR(WriteSynthShard(placement, rank, /*seed=*/1, path));
+//   RETURN_IF_ERROR(WriteSynthFull(model, /*seed=*/1, "model.safetensors"));
 #ifndef SCALAI_TOOLS_SYNTH_H_
 #define SCALAI_TOOLS_SYNTH_H_
 

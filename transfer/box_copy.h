@@ -2,8 +2,8 @@
 // of every reshard. Trailing dimensions that both boxes span fully merge into
 // one memcpy, so a split along dim 0 is a single copy.
 //
-//   CopyBox(src, src_shape, {2, 0}, dst, dst_shape, {0, 0}, {4, 8},
-//   /*elem_bytes=*/2); ZeroBox(dst, dst_shape, {4, 0}, {2, 8}, 2);
+//   CopyBox(src, src_shape, {2, 0}, dst, dst_shape, {0, 0}, {4, 8}, /*elem_bytes=*/2);
+//   ZeroBox(dst, dst_shape, {4, 0}, {2, 8}, 2);
 #ifndef SCALAI_TRANSFER_BOX_COPY_H_
 #define SCALAI_TRANSFER_BOX_COPY_H_
 

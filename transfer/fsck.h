@@ -2,8 +2,8 @@
 // every catalog record against the blobs and the layout. Returns the problems
 // found, each naming the blob or step at fault; empty means healthy.
 //
-//   ASSIGN_OR_RETURN(std::vector<std::string> problems, CheckStore(*store,
-//   progress_fn));
+//   ASSIGN_OR_RETURN(std::vector<std::string> problems,
+//                    CheckStore(*store, progress_fn));
 #ifndef SCALAI_TRANSFER_FSCK_H_
 #define SCALAI_TRANSFER_FSCK_H_
 

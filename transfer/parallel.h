@@ -1,8 +1,8 @@
 // Runs independent jobs on a few threads, stopping at the first error; and a
 // thread-safe progress counter that reports to a callback.
 //
-//   RETURN_IF_ERROR(ParallelFor(files.size(), 2, [&](size_t i) { return
-//   Copy(files[i]); })); Progress progress(total_bytes, on_progress);
+//   RETURN_IF_ERROR(ParallelFor(n, threads, [&](size_t i) { return Copy(i); }));
+//   Progress progress(total_bytes, on_progress);
 //   progress.Add(n);
 #ifndef SCALAI_TRANSFER_PARALLEL_H_
 #define SCALAI_TRANSFER_PARALLEL_H_

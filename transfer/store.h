@@ -6,8 +6,7 @@
 //
 //   ASSIGN_OR_RETURN(auto store, Store::Open("/data/job"));
 //   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store->Steps());
-//   ASSIGN_OR_RETURN(ShardRecord shard, store->Shard(steps.back().step,
-//   group));
+//   ASSIGN_OR_RETURN(ShardRecord shard, store->Shard(steps.back().step, g));
 #ifndef SCALAI_TRANSFER_STORE_H_
 #define SCALAI_TRANSFER_STORE_H_
 
