@@ -132,36 +132,53 @@ void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   }
 }
 
-void OnReaddir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
-               fuse_file_info*) {
+// Offsets: 0 ".", 1 "..", 2 + i the i-th child in name order. With `plus`,
+// each entry carries its attributes, which saves `ls -l` a LOOKUP per name.
+void ReplyDir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
+              bool plus) {
   Server& s = Get(req);
   const Node* dir = s.tree->Get(ino);
   if (dir == nullptr || dir->kind != NodeKind::kDir) {
     fuse_reply_err(req, ENOTDIR);
     return;
   }
-  // Offsets: 0 ".", 1 "..", 2 + i the i-th child in name order.
   std::vector<char> buf(size);
   size_t used = 0;
   const off_t total = 2 + static_cast<off_t>(dir->children.size());
   for (off_t i = offset; i < total; ++i) {
-    struct stat st = {};
+    fuse_entry_param e = {};
     const char* name;
     if (i < 2) {
       name = i == 0 ? "." : "..";
-      st.st_ino = i == 0 ? dir->ino : (dir->parent ? dir->parent : dir->ino);
-      st.st_mode = S_IFDIR;
+      const Node* n =
+          i == 0 || dir->parent == 0 ? dir : s.tree->Get(dir->parent);
+      e.attr = Attr(s, *n);
+      // "." and ".." are not looked up by the kernel: no entry to count.
     } else {
       const Node* child = s.tree->Get(dir->children[i - 2]);
       name = child->name.c_str();
-      st = Attr(s, *child);
+      e.ino = child->ino;
+      e.attr = Attr(s, *child);
+      e.attr_timeout = e.entry_timeout = kCacheSeconds;
     }
-    size_t n = fuse_add_direntry(req, buf.data() + used, size - used, name, &st,
-                                 i + 1);
+    size_t n = plus ? fuse_add_direntry_plus(req, buf.data() + used,
+                                             size - used, name, &e, i + 1)
+                    : fuse_add_direntry(req, buf.data() + used, size - used,
+                                        name, &e.attr, i + 1);
     if (n > size - used) break;
     used += n;
   }
   fuse_reply_buf(req, buf.data(), used);
+}
+
+void OnReaddir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
+               fuse_file_info*) {
+  ReplyDir(req, ino, size, offset, /*plus=*/false);
+}
+
+void OnReaddirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
+                   fuse_file_info*) {
+  ReplyDir(req, ino, size, offset, /*plus=*/true);
 }
 
 void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
@@ -215,6 +232,7 @@ absl::Status ServeMount(const Tree& tree, const MountOptions& options) {
   ops.readlink = OnReadlink;
   ops.opendir = OnOpendir;
   ops.readdir = OnReaddir;
+  ops.readdirplus = OnReaddirplus;
   ops.open = OnOpen;
   ops.read = OnRead;
 
