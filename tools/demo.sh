@@ -12,7 +12,7 @@ meson compile -C build >/dev/null
 
 scalai=build/tools/scalai
 work=$(mktemp -d /tmp/scalai-demo.XXXXXX)
-trap 'rm -rf "$work"' EXIT
+trap 'mountpoint -q "$work/mnt" && umount -l "$work/mnt"; rm -rf "$work"' EXIT
 model="layers=8,hidden=512,heads=8,groups=2,vocab=32000,gated_linear_unit=1"
 
 if [[ -t 1 ]]; then bold=$'\033[1m' plain=$'\033[0m'; else bold='' plain=''; fi
@@ -38,6 +38,17 @@ step "$scalai" plan --layout megatron-core-gpt --model "$model" \
 
 step "$scalai" export "$work/job" "$work/tp4" --config tp=4,pp=1,dp=1
 step ls -l "$work/tp4"/rank-00000
+
+if [[ -e /dev/fuse ]]; then
+  echo
+  echo "== Mount it under tp=4,pp=1,dp=2: every rank's shard as files, computed on read =="
+  mkdir -p "$work/mnt"
+  step "$scalai" mount "$work/job" "$work/mnt" --config tp=4,pp=1,dp=2
+  step ls "$work/mnt" "$work/mnt/ckpt/latest"
+  step ls -l "$work/mnt/ckpt/latest/rank-00005"
+  step /usr/bin/python3 -c "import json; print(json.load(open('$work/mnt/ckpt/latest/rank-00005/rank.json'))['tensors']['output_layer.weight'])"
+  step "$scalai" umount "$work/mnt"
+fi
 
 echo
 echo "== Grow to 16 GPUs as tp=2,pp=2,dp=4: new ranks fetch, the store writes nothing =="
