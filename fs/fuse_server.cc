@@ -94,9 +94,11 @@ void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   }
   fuse_entry_param e = {};
   e.ino = n->ino;
+  e.generation = s.tree->generation();
   e.attr = Attr(s, *n);
   e.attr_timeout = e.entry_timeout = kCacheSeconds;
-  fuse_reply_entry(req, &e);
+  s.tree->CountLookup(n->ino);
+  if (fuse_reply_entry(req, &e) != 0) s.tree->Forget(n->ino, 1);
 }
 
 void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
@@ -158,6 +160,7 @@ void ReplyDir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
       const Node* child = s.tree->Get(dir->children[i - 2]);
       name = child->name.c_str();
       e.ino = child->ino;
+      e.generation = s.tree->generation();
       e.attr = Attr(s, *child);
       e.attr_timeout = e.entry_timeout = kCacheSeconds;
     }
@@ -167,8 +170,20 @@ void ReplyDir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
                                         name, &e.attr, i + 1);
     if (n > size - used) break;
     used += n;
+    if (plus && i >= 2) s.tree->CountLookup(e.ino);
   }
   fuse_reply_buf(req, buf.data(), used);
+}
+
+void OnForget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) {
+  Get(req).tree->Forget(ino, nlookup);
+  fuse_reply_none(req);
+}
+
+void OnForgetMulti(fuse_req_t req, size_t count, fuse_forget_data* forgets) {
+  for (size_t i = 0; i < count; ++i)
+    Get(req).tree->Forget(forgets[i].ino, forgets[i].nlookup);
+  fuse_reply_none(req);
 }
 
 void OnReaddir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
@@ -227,6 +242,8 @@ absl::Status ServeMount(const Tree& tree, const MountOptions& options) {
   fuse_lowlevel_ops ops = {};
   ops.init = OnInit;
   ops.lookup = OnLookup;
+  ops.forget = OnForget;
+  ops.forget_multi = OnForgetMulti;
   ops.getattr = OnGetattr;
   ops.setattr = OnSetattr;
   ops.readlink = OnReadlink;

@@ -51,10 +51,12 @@ void Tree::SortChildren() {
   }
 }
 
-absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(
-    const Store& store, const ParallelConfig& config) {
+absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
+                                                  const ParallelConfig& config,
+                                                  uint64_t generation) {
   std::unique_ptr<Tree> tree(new Tree());
   tree->config_ = config;
+  tree->generation_ = generation;
   tree->Add(0, "", NodeKind::kDir, 0555);
   auto add_text = [&](uint64_t parent, std::string name,
                       std::string text) -> Node& {
@@ -66,7 +68,7 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(
   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store.Steps());
   add_text(kRootIno, "config", config.ToString() + "\n");
   add_text(kRootIno, "status",
-           json{{"generation", 1},
+           json{{"generation", json(generation)},
                 {"config", config.ToString()},
                 {"state", "ready"},
                 {"progress", 1.0},
@@ -165,7 +167,28 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(
     tree->tensor_starts_.push_back(std::move(starts));
   }
   tree->SortChildren();
+  tree->lookups_.reset(new std::atomic<uint64_t>[tree->nodes_.size()]());
   return tree;
+}
+
+void Tree::CountLookup(uint64_t ino) const {
+  if (Get(ino) == nullptr) return;
+  lookups_[ino - 1].fetch_add(1);
+  total_lookups_.fetch_add(1);
+}
+
+void Tree::Forget(uint64_t ino, uint64_t n) const {
+  if (Get(ino) == nullptr) return;
+  // The kernel never forgets more than it was given; clamp all the same.
+  uint64_t have = lookups_[ino - 1].load();
+  while (!lookups_[ino - 1].compare_exchange_weak(have,
+                                                  have - std::min(have, n))) {
+  }
+  total_lookups_.fetch_sub(std::min(have, n));
+}
+
+uint64_t Tree::lookups(uint64_t ino) const {
+  return Get(ino) == nullptr ? 0 : lookups_[ino - 1].load();
 }
 
 const Node* Tree::Get(uint64_t ino) const {

@@ -12,6 +12,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -49,8 +50,12 @@ struct Node {
 
 class Tree {
  public:
+  // `generation` numbers the trees a mount serves one after another; the
+  // kernel sees it with every inode, so an inode of an older tree is never
+  // mistaken for one of a newer tree.
   static absl::StatusOr<std::unique_ptr<Tree>> Build(
-      const Store& store, const ParallelConfig& config);
+      const Store& store, const ParallelConfig& config,
+      uint64_t generation = 1);
 
   const ParallelConfig& config() const { return config_; }
   const Node* Get(uint64_t ino) const;
@@ -59,6 +64,15 @@ class Tree {
   absl::StatusOr<int64_t> Read(const Node& node, int64_t offset, int64_t length,
                                char* out) const;
   size_t size() const { return nodes_.size(); }
+  uint64_t generation() const { return generation_; }
+
+  // The kernel's references to inodes: each entry it receives (lookup,
+  // readdirplus) counts one, FORGET drops n. A tree may be released once no
+  // inode is referenced and no file is open.
+  void CountLookup(uint64_t ino) const;
+  void Forget(uint64_t ino, uint64_t n) const;
+  uint64_t lookups(uint64_t ino) const;
+  uint64_t total_lookups() const { return total_lookups_.load(); }
 
  private:
   Tree() = default;
@@ -66,7 +80,11 @@ class Tree {
   void SortChildren();
 
   ParallelConfig config_;
+  uint64_t generation_ = 1;
   std::vector<Node> nodes_;  // ino = index + 1
+  // Counted from the FUSE threads; atomics, so no lock.
+  std::unique_ptr<std::atomic<uint64_t>[]> lookups_;
+  mutable std::atomic<uint64_t> total_lookups_{0};
   std::vector<std::unique_ptr<StepView>> views_;
   // Start of each tensor in a group's model.safetensors data: [view][group].
   std::vector<std::vector<std::vector<int64_t>>> tensor_starts_;

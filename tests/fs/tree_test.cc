@@ -154,5 +154,25 @@ TEST_F(TreeTest, TreeHasTheSpecNamesSortedAndRefusesUnknownOnes) {
             0);  // at the end: nothing
 }
 
+TEST_F(TreeTest, LookupsAreCountedAndForgotten) {
+  auto tree =
+      *Tree::Build(*store_, *ParallelConfig::Parse("tp=1,pp=1,dp=1"), 7);
+  EXPECT_EQ(tree->generation(), 7u);
+  const Node* ckpt = Walk(*tree, {"ckpt"});
+  tree->CountLookup(ckpt->ino);
+  tree->CountLookup(ckpt->ino);
+  tree->CountLookup(kRootIno);
+  EXPECT_EQ(tree->lookups(ckpt->ino), 2u);
+  EXPECT_EQ(tree->total_lookups(), 3u);
+  tree->Forget(ckpt->ino, 2);
+  tree->Forget(kRootIno, 5);  // more than given: clamped
+  EXPECT_EQ(tree->lookups(ckpt->ino), 0u);
+  EXPECT_EQ(tree->total_lookups(), 0u);
+  tree->Forget(999999, 1);  // an unknown inode is ignored
+  const Node* status = Walk(*tree, {"status"});
+  EXPECT_NE(ReadNode(*tree, *status, 4096).find("\"generation\":7"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace scalai

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tarfile
@@ -77,6 +78,16 @@ def main():
         assert not os.path.ismount(mnt)
         inspect = json.loads(run("inspect", store, "--json").stdout)
         assert inspect["config"] == MOUNTED, inspect  # the remount switched the config
+        # SIGTERM (and SIGINT) end a foreground mount cleanly.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            proc = subprocess.Popen([BIN, "mount", store, mnt, "--foreground"],
+                                    stdout=subprocess.PIPE, text=True)
+            assert proc.stdout.readline().startswith("mounted"), sig
+            assert open(f"{mnt}/config").read() == MOUNTED + "\n"
+            proc.send_signal(sig)
+            assert proc.wait(timeout=30) == 0, (sig, proc.returncode)
+            assert not os.path.ismount(mnt), sig
+        run("fsck", store)  # the store is free again, and intact
     print("mount test: ok")
 
 
