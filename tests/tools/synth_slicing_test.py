@@ -6,116 +6,35 @@ SPEC section 4 prescribes (splits, SwiGLU blocks, vocab padding, stages, local
 layer numbers). Also checks `scalai plan --json` and the exit codes."""
 import json
 import os
-import re
-import struct
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from reference import read_safetensors, rank_shards, scalai  # noqa: E402
+
 SCALAI = sys.argv[1]
-DTYPES = {"F32": np.float32, "BF16": np.uint16, "F16": np.float16, "F64": np.float64,
-          "I8": np.int8, "U8": np.uint8}
-
-
-def read_safetensors(path):
-    """Returns ({name: array}, metadata), checking the layout as it goes."""
-    with open(path, "rb") as f:
-        blob = f.read()
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8:8 + n])
-    meta = header.pop("__metadata__", {})
-    data = blob[8 + n:]
-    out, end = {}, 0
-    for name, e in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        b, en = e["data_offsets"]
-        assert b == end, f"{path}: {name} leaves a hole"
-        end = en
-        arr = np.frombuffer(data[b:en], dtype=DTYPES[e["dtype"]])
-        out[name] = arr.reshape(e["shape"])
-    assert end == len(data), f"{path}: trailing bytes"
-    return out, meta
 
 
 def run(*args, expect=0):
-    p = subprocess.run([SCALAI, *args], capture_output=True, text=True)
-    assert p.returncode == expect, f"scalai {' '.join(args)}: exit {p.returncode}\n{p.stderr}"
-    return p
-
-
-def rule(name, gated):
-    """SPEC section 4's megatron-core-gpt rules: (split, blocks, vocab, stage)."""
-    if name.endswith("word_embeddings.weight"):
-        return 0, 1, True, "first"
-    if name.endswith("output_layer.weight"):
-        return 0, 1, True, "last"
-    if re.search(r"linear_fc1\.(weight|bias)$", name) and gated:
-        return 0, 2, False, "first"
-    if re.search(r"linear_(qkv|fc1)\.(weight|bias)$", name):
-        return 0, 1, False, "first"
-    if re.search(r"linear_(proj|fc2)\.weight$", name):
-        return 1, 1, False, "first"
-    if "final_layernorm." in name:
-        return None, 1, False, "last"
-    return None, 1, False, "first"
-
-
-def expected_shard(full, name, tp, t, gated, divisor):
-    split, blocks, vocab, _ = rule(name, gated)
-    x = full[name]
-    if split is None:
-        return x
-    x = np.moveaxis(x, split, 0)
-    if vocab:
-        padded = -(-x.shape[0] // (divisor * tp)) * divisor * tp
-        pad = np.zeros((padded - x.shape[0],) + x.shape[1:], x.dtype)
-        part = np.concatenate([x, pad])[t * padded // tp:(t + 1) * padded // tp]
-    else:
-        part = np.concatenate([np.split(b, tp)[t] for b in np.split(x, blocks)])
-    return np.moveaxis(part, 0, split)
+    return scalai(SCALAI, *args, expect=expect)
 
 
 def check_config(tmp, model, gated, config, layers):
-    tp, pp, dp = (int(re.search(k + r"=(\d+)", config).group(1)) for k in ("tp", "pp", "dp"))
-    m = re.search(r"stages=([\d:]+)", config)
-    stages = [int(s) for s in m.group(1).split(":")] if m else [
-        layers // pp + (1 if p < layers % pp else 0) for p in range(pp)]
-    first = [sum(stages[:p]) for p in range(pp)]
     out = os.path.join(tmp, config.replace(",", "_").replace("=", "").replace(":", "-"))
     run("synth", out, "--layout", "megatron-core-gpt", "--model", model, "--config", config,
         "--dtype", "f32", "--seed", "5")
     full, _ = read_safetensors(os.path.join(tmp, "full", "model.safetensors"))
-    ranks = sorted(os.listdir(out))
-    expect_ranks = [f"rank-{(p * dp) * tp + t:05d}" for p in range(pp) for t in range(tp)]
-    assert ranks == sorted(expect_ranks), (ranks, expect_ranks)
-    for p in range(pp):
-        for t in range(tp):
-            rank = (p * dp) * tp + t
-            shard, meta = read_safetensors(os.path.join(out, f"rank-{rank:05d}", "model.safetensors"))
-            assert meta == {"scalai.rank": str(rank), "scalai.config": config}, meta
-            expected = {}
-            for name in full:
-                lm = re.search(r"decoder\.layers\.(\d+)\.", name)
-                if lm:
-                    layer = int(lm.group(1))
-                    if not first[p] <= layer < first[p] + stages[p]:
-                        continue
-                    local = name.replace(f"layers.{layer}.", f"layers.{layer - first[p]}.", 1)
-                else:
-                    stage = rule(name, gated)[3]
-                    if (stage == "first") != (p == 0) and not (stage == "last" and p == pp - 1):
-                        continue
-                    if stage == "last" and p != pp - 1:
-                        continue
-                    local = name
-                expected[local] = expected_shard(full, name, tp, t, gated, 8)
-            assert sorted(shard) == sorted(expected), (config, rank, sorted(shard), sorted(expected))
-            for local, want in expected.items():
-                got = shard[local]
-                assert got.shape == want.shape, (config, rank, local, got.shape, want.shape)
-                assert np.array_equal(got, want), (config, rank, local)
-    return out
+    expected = rank_shards(full, config, gated, 8, layers)
+    assert sorted(os.listdir(out)) == [f"rank-{r:05d}" for r in sorted(expected)], config
+    for rank, want in expected.items():
+        shard, meta = read_safetensors(os.path.join(out, f"rank-{rank:05d}", "model.safetensors"))
+        assert meta == {"scalai.rank": str(rank), "scalai.config": config}, meta
+        assert sorted(shard) == sorted(want), (config, rank, sorted(shard), sorted(want))
+        for local, x in want.items():
+            assert shard[local].shape == x.shape, (config, rank, local, shard[local].shape)
+            assert np.array_equal(shard[local], x), (config, rank, local)
 
 
 def main():
