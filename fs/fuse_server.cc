@@ -8,12 +8,16 @@
 #include <cerrno>
 #include <cstring>
 #include <ctime>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
 
 namespace scalai {
 namespace {
@@ -24,11 +28,37 @@ constexpr unsigned kMaxIo = 1 << 20;
 // entries and attributes for long.
 constexpr double kCacheSeconds = 3600;
 
+// The state shared by all FUSE threads. Lock order: mu only.
 struct Server {
-  const Tree* tree;
+  Store* store;
   uid_t uid;
   gid_t gid;
   timespec start;
+  fuse_session* session = nullptr;
+  std::mutex mu;
+  std::shared_ptr<const Tree> current;  // guarded by mu
+  std::map<uint64_t, std::shared_ptr<const Tree>>
+      trees;          // by generation; guarded by mu
+  std::string error;  // guarded by mu
+
+  // The tree that owns `ino`: the current one for the root.
+  std::shared_ptr<const Tree> TreeOf(uint64_t ino) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (ino == kRootIno) return current;
+    auto it = trees.find(ino >> 32);
+    return it == trees.end() ? nullptr : it->second;
+  }
+
+  std::string StatusText() {
+    std::lock_guard<std::mutex> lock(mu);
+    nlohmann::json j = {{"generation", current->generation()},
+                        {"config", current->config().ToString()},
+                        {"state", "ready"},
+                        {"progress", 1.0},
+                        {"error", nullptr}};
+    if (!error.empty()) j["error"] = error;
+    return j.dump() + "\n";
+  }
 };
 
 Server& Get(fuse_req_t req) {
@@ -51,14 +81,14 @@ int ToErrno(const absl::Status& s) {
   }
 }
 
-struct stat Attr(const Server& s, const Node& n) {
+struct stat Attr(Server& s, const Node& n) {
   struct stat st = {};
   st.st_ino = n.ino;
   st.st_uid = s.uid;
   st.st_gid = s.gid;
-  st.st_size = n.size;
+  st.st_size = n.live ? static_cast<off_t>(s.StatusText().size()) : n.size;
   st.st_blksize = kMaxIo;
-  st.st_blocks = (n.size + 511) / 512;
+  st.st_blocks = (st.st_size + 511) / 512;
   st.st_atim = st.st_mtim = st.st_ctim = s.start;
   switch (n.kind) {
     case NodeKind::kDir:
@@ -77,6 +107,11 @@ struct stat Attr(const Server& s, const Node& n) {
   return st;
 }
 
+// Files whose bytes may change while served: never cached by the kernel.
+bool Volatile(const Node& n) { return n.live || n.mode & 0200; }
+
+double AttrTimeout(const Node& n) { return Volatile(n) ? 0 : kCacheSeconds; }
+
 void OnInit(void*, fuse_conn_info* conn) {
   conn->max_read = kMaxIo;
   conn->max_readahead = kMaxIo;
@@ -85,35 +120,45 @@ void OnInit(void*, fuse_conn_info* conn) {
     conn->want |= FUSE_CAP_SPLICE_WRITE;
 }
 
+fuse_entry_param Entry(Server& s, const Tree& tree, const Node& n) {
+  fuse_entry_param e = {};
+  e.ino = n.ino;
+  e.generation = tree.generation();
+  e.attr = Attr(s, n);
+  e.attr_timeout = AttrTimeout(n);
+  // Root entries change with the generation; deeper ones never do.
+  e.entry_timeout = n.parent == kRootIno ? 0 : kCacheSeconds;
+  return e;
+}
+
 void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Server& s = Get(req);
-  const Node* n = s.tree->Lookup(parent, name);
+  std::shared_ptr<const Tree> tree = s.TreeOf(parent);
+  const Node* n = tree ? tree->Lookup(parent, name) : nullptr;
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
     return;
   }
-  fuse_entry_param e = {};
-  e.ino = n->ino;
-  e.generation = s.tree->generation();
-  e.attr = Attr(s, *n);
-  e.attr_timeout = e.entry_timeout = kCacheSeconds;
-  s.tree->CountLookup(n->ino);
-  if (fuse_reply_entry(req, &e) != 0) s.tree->Forget(n->ino, 1);
+  fuse_entry_param e = Entry(s, *tree, *n);
+  tree->CountLookup(n->ino);
+  if (fuse_reply_entry(req, &e) != 0) tree->Forget(n->ino, 1);
 }
 
 void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
   Server& s = Get(req);
-  const Node* n = s.tree->Get(ino);
+  std::shared_ptr<const Tree> tree = s.TreeOf(ino);
+  const Node* n = tree ? tree->Get(ino) : nullptr;
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
     return;
   }
   struct stat st = Attr(s, *n);
-  fuse_reply_attr(req, &st, kCacheSeconds);
+  fuse_reply_attr(req, &st, AttrTimeout(*n));
 }
 
 void OnReadlink(fuse_req_t req, fuse_ino_t ino) {
-  const Node* n = Get(req).tree->Get(ino);
+  std::shared_ptr<const Tree> tree = Get(req).TreeOf(ino);
+  const Node* n = tree ? tree->Get(ino) : nullptr;
   if (n == nullptr || n->kind != NodeKind::kSymlink) {
     fuse_reply_err(req, EINVAL);
     return;
@@ -121,29 +166,45 @@ void OnReadlink(fuse_req_t req, fuse_ino_t ino) {
   fuse_reply_readlink(req, n->text.c_str());
 }
 
+// An open file or directory holds its tree: a reconfiguration never changes
+// bytes under a reader.
+struct Handle {
+  std::shared_ptr<const Tree> tree;
+  const Node* node;
+};
+
+Handle* HandleOf(fuse_file_info* fi) {
+  return reinterpret_cast<Handle*>(fi->fh);
+}
+
 void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
-  const Node* n = Get(req).tree->Get(ino);
+  std::shared_ptr<const Tree> tree = Get(req).TreeOf(ino);
+  const Node* n = tree ? tree->Get(ino) : nullptr;
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
   } else if (n->kind != NodeKind::kDir) {
     fuse_reply_err(req, ENOTDIR);
   } else {
+    fi->fh = reinterpret_cast<uint64_t>(new Handle{tree, n});
+    // The root's listing is the same in every generation; others never change.
     fi->keep_cache = 1;
     fi->cache_readdir = 1;
-    fuse_reply_open(req, fi);
+    if (fuse_reply_open(req, fi) != 0) delete HandleOf(fi);
   }
+}
+
+void OnReleasedir(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+  delete HandleOf(fi);
+  fuse_reply_err(req, 0);
 }
 
 // Offsets: 0 ".", 1 "..", 2 + i the i-th child in name order. With `plus`,
 // each entry carries its attributes, which saves `ls -l` a LOOKUP per name.
-void ReplyDir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
+void ReplyDir(fuse_req_t req, size_t size, off_t offset, fuse_file_info* fi,
               bool plus) {
   Server& s = Get(req);
-  const Node* dir = s.tree->Get(ino);
-  if (dir == nullptr || dir->kind != NodeKind::kDir) {
-    fuse_reply_err(req, ENOTDIR);
-    return;
-  }
+  const Tree& tree = *HandleOf(fi)->tree;
+  const Node* dir = HandleOf(fi)->node;
   std::vector<char> buf(size);
   size_t used = 0;
   const off_t total = 2 + static_cast<off_t>(dir->children.size());
@@ -152,17 +213,13 @@ void ReplyDir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
     const char* name;
     if (i < 2) {
       name = i == 0 ? "." : "..";
-      const Node* n =
-          i == 0 || dir->parent == 0 ? dir : s.tree->Get(dir->parent);
+      const Node* n = i == 0 || dir->parent == 0 ? dir : tree.Get(dir->parent);
       e.attr = Attr(s, *n);
       // "." and ".." are not looked up by the kernel: no entry to count.
     } else {
-      const Node* child = s.tree->Get(dir->children[i - 2]);
+      const Node* child = tree.Get(dir->children[i - 2]);
       name = child->name.c_str();
-      e.ino = child->ino;
-      e.generation = s.tree->generation();
-      e.attr = Attr(s, *child);
-      e.attr_timeout = e.entry_timeout = kCacheSeconds;
+      e = Entry(s, tree, *child);
     }
     size_t n = plus ? fuse_add_direntry_plus(req, buf.data() + used,
                                              size - used, name, &e, i + 1)
@@ -170,59 +227,77 @@ void ReplyDir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
                                         name, &e.attr, i + 1);
     if (n > size - used) break;
     used += n;
-    if (plus && i >= 2) s.tree->CountLookup(e.ino);
+    if (plus && i >= 2) tree.CountLookup(e.ino);
   }
   fuse_reply_buf(req, buf.data(), used);
 }
 
+void OnReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
+               fuse_file_info* fi) {
+  ReplyDir(req, size, offset, fi, /*plus=*/false);
+}
+
+void OnReaddirplus(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
+                   fuse_file_info* fi) {
+  ReplyDir(req, size, offset, fi, /*plus=*/true);
+}
+
 void OnForget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) {
-  Get(req).tree->Forget(ino, nlookup);
+  std::shared_ptr<const Tree> tree = Get(req).TreeOf(ino);
+  if (tree) tree->Forget(ino, nlookup);
   fuse_reply_none(req);
 }
 
 void OnForgetMulti(fuse_req_t req, size_t count, fuse_forget_data* forgets) {
-  for (size_t i = 0; i < count; ++i)
-    Get(req).tree->Forget(forgets[i].ino, forgets[i].nlookup);
+  for (size_t i = 0; i < count; ++i) {
+    std::shared_ptr<const Tree> tree = Get(req).TreeOf(forgets[i].ino);
+    if (tree) tree->Forget(forgets[i].ino, forgets[i].nlookup);
+  }
   fuse_reply_none(req);
 }
 
-void OnReaddir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
-               fuse_file_info*) {
-  ReplyDir(req, ino, size, offset, /*plus=*/false);
-}
-
-void OnReaddirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
-                   fuse_file_info*) {
-  ReplyDir(req, ino, size, offset, /*plus=*/true);
-}
-
 void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
-  const Node* n = Get(req).tree->Get(ino);
+  std::shared_ptr<const Tree> tree = Get(req).TreeOf(ino);
+  const Node* n = tree ? tree->Get(ino) : nullptr;
+  const bool writing =
+      (fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC);
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
   } else if (n->kind == NodeKind::kDir) {
     fuse_reply_err(req, EISDIR);
-  } else if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC)) {
+  } else if (writing && !(n->mode & 0200)) {
     fuse_reply_err(req, EACCES);
   } else {
-    // The bytes of a served tree never change: the page cache may keep them,
-    // and mapping works (no direct I/O).
-    fi->keep_cache = 1;
-    fuse_reply_open(req, fi);
+    fi->fh = reinterpret_cast<uint64_t>(new Handle{tree, n});
+    if (Volatile(*n)) {
+      fi->direct_io = 1;
+    } else {
+      // These bytes never change: the page cache may keep them, and mapping
+      // works (no direct I/O).
+      fi->keep_cache = 1;
+    }
+    if (fuse_reply_open(req, fi) != 0) delete HandleOf(fi);
   }
 }
 
-void OnRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
-            fuse_file_info*) {
-  const Tree& tree = *Get(req).tree;
-  const Node* n = tree.Get(ino);
-  if (n == nullptr) {
-    fuse_reply_err(req, ENOENT);
+void OnRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+  delete HandleOf(fi);
+  fuse_reply_err(req, 0);
+}
+
+void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
+            fuse_file_info* fi) {
+  Server& s = Get(req);
+  const Handle& h = *HandleOf(fi);
+  if (h.node->live) {
+    std::string text = s.StatusText();
+    const size_t at = std::min<size_t>(offset, text.size());
+    fuse_reply_buf(req, text.data() + at, std::min(size, text.size() - at));
     return;
   }
   std::unique_ptr<char[]> buf(new char[size]);
   absl::StatusOr<int64_t> got =
-      tree.Read(*n, offset, static_cast<int64_t>(size), buf.get());
+      h.tree->Read(*h.node, offset, static_cast<int64_t>(size), buf.get());
   if (!got.ok()) {
     fuse_reply_err(req, ToErrno(got.status()));
     return;
@@ -230,15 +305,99 @@ void OnRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t offset,
   fuse_reply_buf(req, buf.get(), *got);
 }
 
-void OnSetattr(fuse_req_t req, fuse_ino_t, struct stat*, int, fuse_file_info*) {
-  fuse_reply_err(req, EACCES);
+// `echo C > config` truncates first; the truncation itself changes nothing.
+void OnSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
+               fuse_file_info*) {
+  Server& s = Get(req);
+  std::shared_ptr<const Tree> tree = s.TreeOf(ino);
+  const Node* n = tree ? tree->Get(ino) : nullptr;
+  if (n == nullptr) {
+    fuse_reply_err(req, ENOENT);
+    return;
+  }
+  const int allowed = FUSE_SET_ATTR_SIZE | FUSE_SET_ATTR_MTIME |
+                      FUSE_SET_ATTR_ATIME | FUSE_SET_ATTR_MTIME_NOW |
+                      FUSE_SET_ATTR_ATIME_NOW;
+  if (!(n->mode & 0200) || (to_set & ~allowed) ||
+      ((to_set & FUSE_SET_ATTR_SIZE) && attr->st_size != 0)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
+  struct stat st = Attr(s, *n);
+  fuse_reply_attr(req, &st, 0);
+}
+
+// Tells the kernel to forget the root's entries, so that the next path walk
+// finds the new generation. Runs on its own thread: a notification from
+// inside a request handler may deadlock.
+void InvalidateRoot(Server& s, std::vector<std::string> names) {
+  std::thread([&s, names = std::move(names)] {
+    for (const std::string& name : names) {
+      fuse_lowlevel_notify_inval_entry(s.session, kRootIno, name.c_str(),
+                                       name.size());
+    }
+    fuse_lowlevel_notify_inval_inode(s.session, kRootIno, 0, 0);
+  }).detach();
+}
+
+// Writing a config switches every view at once, or changes nothing and says
+// why in `status`.
+void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
+             off_t offset, fuse_file_info* fi) {
+  Server& s = Get(req);
+  const Handle& h = *HandleOf(fi);
+  if (!(h.node->mode & 0200)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
+  (void)ino;
+  absl::Status result = [&]() -> absl::Status {
+    if (offset != 0) {
+      return absl::InvalidArgumentError(
+          "write the whole config at once, from offset 0");
+    }
+    auto config = ParallelConfig::Parse(absl::string_view(data, size));
+    if (!config.ok()) return config.status();
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (*config == s.current->config()) return absl::OkStatus();
+    auto next = Tree::Build(*s.store, *config, s.current->generation() + 1);
+    if (!next.ok()) return next.status();
+    Catalog::Batch batch;
+    batch.Put(Table::kMeta, "config", config->ToString());
+    absl::Status committed = s.store->catalog().Commit(batch);
+    if (!committed.ok()) return committed;
+    std::shared_ptr<const Tree> tree(std::move(*next));
+    s.trees[tree->generation()] = tree;
+    s.current = tree;
+    return absl::OkStatus();
+  }();
+  std::vector<std::string> names;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.error = result.ok() ? "" : std::string(result.message());
+    for (uint64_t c : s.current->Get(kRootIno)->children) {
+      names.push_back(s.current->Get(c)->name);
+    }
+  }
+  if (!result.ok()) {
+    fuse_reply_err(req, EINVAL);
+    return;
+  }
+  fuse_reply_write(req, size);
+  InvalidateRoot(s, std::move(names));
 }
 
 }  // namespace
 
-absl::Status ServeMount(const Tree& tree, const MountOptions& options) {
-  Server server{&tree, getuid(), getgid(), {}};
+absl::Status ServeMount(Store& store, std::unique_ptr<Tree> tree,
+                        const MountOptions& options) {
+  Server server;
+  server.store = &store;
+  server.uid = getuid();
+  server.gid = getgid();
   clock_gettime(CLOCK_REALTIME, &server.start);
+  server.current = std::shared_ptr<const Tree>(std::move(tree));
+  server.trees[server.current->generation()] = server.current;
   fuse_lowlevel_ops ops = {};
   ops.init = OnInit;
   ops.lookup = OnLookup;
@@ -250,8 +409,11 @@ absl::Status ServeMount(const Tree& tree, const MountOptions& options) {
   ops.opendir = OnOpendir;
   ops.readdir = OnReaddir;
   ops.readdirplus = OnReaddirplus;
+  ops.releasedir = OnReleasedir;
   ops.open = OnOpen;
   ops.read = OnRead;
+  ops.write = OnWrite;
+  ops.release = OnRelease;
 
   std::string mount_opts =
       absl::StrCat("fsname=scalai,subtype=scalai,max_read=", kMaxIo);
@@ -262,6 +424,7 @@ absl::Status ServeMount(const Tree& tree, const MountOptions& options) {
   fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
   fuse_session* se = fuse_session_new(&args, &ops, sizeof(ops), &server);
   if (se == nullptr) return absl::InternalError("fuse_session_new failed");
+  server.session = se;
   absl::Cleanup destroy = [se] { fuse_session_destroy(se); };
   if (fuse_set_signal_handlers(se) != 0) {
     return absl::InternalError("cannot install signal handlers");

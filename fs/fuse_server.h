@@ -1,17 +1,20 @@
-// Serves a Tree through the libfuse3 low-level API until unmounted or
-// signalled. The handlers are trampolines: decode, ask the tree, reply once.
+// Serves a store's trees through the libfuse3 low-level API until unmounted
+// or signalled. Handlers are trampolines: decode, ask the tree, reply once.
+// Writing a config to MOUNT/config builds the next generation's tree and
+// switches new opens to it at once; open handles keep the tree they opened.
 //
 //   MountOptions o{.mountpoint = "/mnt/job"};
-//   o.on_ready = [&] { tell_parent(); };
-//   RETURN_IF_ERROR(ServeMount(*tree, o));   // returns after unmount
+//   RETURN_IF_ERROR(ServeMount(*store, std::move(tree), o));  // until unmount
 #ifndef SCALAI_FS_FUSE_SERVER_H_
 #define SCALAI_FS_FUSE_SERVER_H_
 
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "fs/tree.h"
+#include "transfer/store.h"
 
 namespace scalai {
 
@@ -22,7 +25,8 @@ struct MountOptions {
   std::function<void()> on_ready;
 };
 
-absl::Status ServeMount(const Tree& tree, const MountOptions& options);
+absl::Status ServeMount(Store& store, std::unique_ptr<Tree> tree,
+                        const MountOptions& options);
 
 }  // namespace scalai
 

@@ -32,22 +32,22 @@ json ModelSummary(const Store& store) {
 
 Node& Tree::Add(uint64_t parent, std::string name, NodeKind kind, mode_t mode) {
   Node node;
-  node.ino = nodes_.size() + 1;
+  node.ino = InoOf(nodes_.size());
   node.parent = parent;
   node.name = std::move(name);
   node.kind = kind;
   node.mode = mode;
   nodes_.push_back(std::move(node));
-  if (parent != 0) nodes_[parent - 1].children.push_back(nodes_.back().ino);
+  if (parent != 0)
+    nodes_[*IndexOf(parent)].children.push_back(nodes_.back().ino);
   return nodes_.back();
 }
 
 void Tree::SortChildren() {
   for (Node& n : nodes_) {
-    std::sort(n.children.begin(), n.children.end(),
-              [&](uint64_t a, uint64_t b) {
-                return nodes_[a - 1].name < nodes_[b - 1].name;
-              });
+    std::sort(
+        n.children.begin(), n.children.end(),
+        [&](uint64_t a, uint64_t b) { return Get(a)->name < Get(b)->name; });
   }
 }
 
@@ -66,15 +66,8 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
     return n;
   };
   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store.Steps());
-  add_text(kRootIno, "config", config.ToString() + "\n");
-  add_text(kRootIno, "status",
-           json{{"generation", json(generation)},
-                {"config", config.ToString()},
-                {"state", "ready"},
-                {"progress", 1.0},
-                {"error", nullptr}}
-                   .dump() +
-               "\n");
+  add_text(kRootIno, "config", config.ToString() + "\n").mode = 0644;
+  add_text(kRootIno, "status", "").live = true;
   json job = {
       {"store", store.dir()},        {"layout", store.layout().ToJson()},
       {"config", config.ToString()}, {"world_size", config.world_size()},
@@ -171,40 +164,54 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
   return tree;
 }
 
+uint64_t Tree::InoOf(size_t index) const {
+  return index == 0 ? kRootIno : (generation_ << 32) | index;
+}
+
+std::optional<size_t> Tree::IndexOf(uint64_t ino) const {
+  if (ino == kRootIno) return 0;
+  const size_t index = ino & 0xffffffffu;
+  if ((ino >> 32) != generation_ || index == 0 || index >= nodes_.size()) {
+    return std::nullopt;
+  }
+  return index;
+}
+
 void Tree::CountLookup(uint64_t ino) const {
-  if (Get(ino) == nullptr) return;
-  lookups_[ino - 1].fetch_add(1);
+  std::optional<size_t> i = IndexOf(ino);
+  if (!i) return;
+  lookups_[*i].fetch_add(1);
   total_lookups_.fetch_add(1);
 }
 
 void Tree::Forget(uint64_t ino, uint64_t n) const {
-  if (Get(ino) == nullptr) return;
+  std::optional<size_t> i = IndexOf(ino);
+  if (!i) return;
   // The kernel never forgets more than it was given; clamp all the same.
-  uint64_t have = lookups_[ino - 1].load();
-  while (!lookups_[ino - 1].compare_exchange_weak(have,
-                                                  have - std::min(have, n))) {
+  uint64_t have = lookups_[*i].load();
+  while (!lookups_[*i].compare_exchange_weak(have, have - std::min(have, n))) {
   }
   total_lookups_.fetch_sub(std::min(have, n));
 }
 
 uint64_t Tree::lookups(uint64_t ino) const {
-  return Get(ino) == nullptr ? 0 : lookups_[ino - 1].load();
+  std::optional<size_t> i = IndexOf(ino);
+  return i ? lookups_[*i].load() : 0;
 }
 
 const Node* Tree::Get(uint64_t ino) const {
-  if (ino == 0 || ino > nodes_.size()) return nullptr;
-  return &nodes_[ino - 1];
+  std::optional<size_t> i = IndexOf(ino);
+  return i ? &nodes_[*i] : nullptr;
 }
 
 const Node* Tree::Lookup(uint64_t parent, absl::string_view name) const {
   const Node* dir = Get(parent);
   if (dir == nullptr || dir->kind != NodeKind::kDir) return nullptr;
-  auto it = std::lower_bound(dir->children.begin(), dir->children.end(), name,
-                             [&](uint64_t ino, absl::string_view n) {
-                               return nodes_[ino - 1].name < n;
-                             });
-  if (it == dir->children.end() || nodes_[*it - 1].name != name) return nullptr;
-  return &nodes_[*it - 1];
+  auto it = std::lower_bound(
+      dir->children.begin(), dir->children.end(), name,
+      [&](uint64_t ino, absl::string_view n) { return Get(ino)->name < n; });
+  if (it == dir->children.end() || Get(*it)->name != name) return nullptr;
+  return Get(*it);
 }
 
 absl::StatusOr<int64_t> Tree::Read(const Node& node, int64_t offset,

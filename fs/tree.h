@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,8 @@ struct Node {
   int view = -1;
   int group = -1;
   int shard = -1;
+  // `status`: its bytes change while served; the server makes them.
+  bool live = false;
 };
 
 class Tree {
@@ -77,11 +80,15 @@ class Tree {
  private:
   Tree() = default;
   Node& Add(uint64_t parent, std::string name, NodeKind kind, mode_t mode);
+  // Inode numbers carry the generation in their high 32 bits (the root is
+  // always 1), so inodes of different trees never collide.
+  uint64_t InoOf(size_t index) const;
+  std::optional<size_t> IndexOf(uint64_t ino) const;
   void SortChildren();
 
   ParallelConfig config_;
   uint64_t generation_ = 1;
-  std::vector<Node> nodes_;  // ino = index + 1
+  std::vector<Node> nodes_;  // by index; see InoOf
   // Counted from the FUSE threads; atomics, so no lock.
   std::unique_ptr<std::atomic<uint64_t>[]> lookups_;
   mutable std::atomic<uint64_t> total_lookups_{0};

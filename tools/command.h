@@ -35,6 +35,7 @@ Command AddInitCommand(CLI::App& root);
 Command AddInspectCommand(CLI::App& root);
 Command AddMountCommand(CLI::App& root);
 Command AddPlanCommand(CLI::App& root);
+Command AddReconfigureCommand(CLI::App& root);
 Command AddSynthCommand(CLI::App& root);
 Command AddUmountCommand(CLI::App& root);
 

@@ -73,7 +73,7 @@ absl::Status Serve(const MountCliOptions& o,
   mount.mountpoint = o.mountpoint;
   mount.allow_other = o.allow_other;
   mount.on_ready = ready;
-  return ServeMount(*tree, mount);
+  return ServeMount(*store, std::move(tree), mount);
 }
 
 absl::Status RunMount(MountCliOptions o) {
@@ -171,7 +171,63 @@ absl::Status RunUmount(const std::string& mountpoint_arg) {
       "unmounted ", mountpoint, ", but its server still holds ", store));
 }
 
+// The same as writing C to MOUNTPOINT/config; on a refusal, the reason from
+// MOUNTPOINT/status.
+absl::Status RunReconfigure(const std::string& mountpoint,
+                            const std::string& config, bool wait) {
+  const std::string path = mountpoint + "/config";
+  int fd = open(path.c_str(), O_WRONLY | O_TRUNC | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::ErrnoToStatus(
+        errno, absl::StrCat(mountpoint, " is not a scalai mount"));
+  }
+  const std::string text = config + "\n";
+  ssize_t n = write(fd, text.data(), text.size());
+  int err = errno;
+  close(fd);
+  auto status = [&]() {
+    std::ifstream in(mountpoint + "/status");
+    std::stringstream s;
+    s << in.rdbuf();
+    return nlohmann::json::parse(s.str(), nullptr, false);
+  };
+  if (n != static_cast<ssize_t>(text.size())) {
+    nlohmann::json j = status();
+    if (!j.is_discarded() && j.contains("error") && j["error"].is_string()) {
+      return absl::InvalidArgumentError(j["error"].get<std::string>());
+    }
+    return absl::ErrnoToStatus(err, absl::StrCat("write ", path));
+  }
+  // The views switch at once; with --wait, also until materialization ends.
+  while (wait) {
+    nlohmann::json j = status();
+    if (j.is_discarded() || j.value("state", "") != "materializing") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  nlohmann::json j = status();
+  std::printf("%s: %s (generation %s)\n", mountpoint.c_str(),
+              j.value("config", std::string("?")).c_str(),
+              j.contains("generation") ? j["generation"].dump().c_str() : "?");
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+Command AddReconfigureCommand(CLI::App& root) {
+  struct Options {
+    std::string mountpoint, config;
+    bool wait = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* app = root.add_subcommand(
+      "reconfigure",
+      "Switch a mount to a new parallel config (as writing MOUNTPOINT/config)");
+  app->add_option("MOUNTPOINT", o->mountpoint, "a scalai mount")->required();
+  app->add_option("CONFIG", o->config, "e.g. tp=4,pp=2,dp=2")->required();
+  app->add_flag("--wait", o->wait, "return after materialization finished");
+  return {app,
+          [o] { return RunReconfigure(o->mountpoint, o->config, o->wait); }};
+}
 
 Command AddMountCommand(CLI::App& root) {
   auto o = std::make_shared<MountCliOptions>();

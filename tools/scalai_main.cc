@@ -19,7 +19,7 @@ int main(int argc, char** argv) {
       scalai::AddExportCommand(root), scalai::AddInspectCommand(root),
       scalai::AddFsckCommand(root),   scalai::AddPlanCommand(root),
       scalai::AddSynthCommand(root),  scalai::AddMountCommand(root),
-      scalai::AddUmountCommand(root),
+      scalai::AddUmountCommand(root), scalai::AddReconfigureCommand(root),
   };
   try {
     root.parse(argc, argv);

@@ -71,19 +71,20 @@ def main():
             p = run("mount", store, f"{tmp}", expect=1)
             assert "in use by another scalai process" in p.stderr, p.stderr
             check_concurrent_readers(mnt, full)
+            check_reconfigure(mnt, full)
         except BaseException:
             subprocess.run(["umount", "-l", mnt])  # leave no mount behind a failure
             raise
         run("umount", mnt)
         assert not os.path.ismount(mnt)
         inspect = json.loads(run("inspect", store, "--json").stdout)
-        assert inspect["config"] == MOUNTED, inspect  # the remount switched the config
+        assert inspect["config"] == FINAL, inspect  # the last reconfiguration was committed
         # SIGTERM (and SIGINT) end a foreground mount cleanly.
         for sig in (signal.SIGTERM, signal.SIGINT):
             proc = subprocess.Popen([BIN, "mount", store, mnt, "--foreground"],
                                     stdout=subprocess.PIPE, text=True)
             assert proc.stdout.readline().startswith("mounted"), sig
-            assert open(f"{mnt}/config").read() == MOUNTED + "\n"
+            assert open(f"{mnt}/config").read() == FINAL + "\n"
             proc.send_signal(sig)
             assert proc.wait(timeout=30) == 0, (sig, proc.returncode)
             assert not os.path.ismount(mnt), sig
@@ -209,6 +210,72 @@ def check_concurrent_readers(mnt, full):
         t.join()
     assert not errors, errors[:3]
     print(f"16 readers, {READ_SECONDS:.0f} s: {reads[0]} reads, all correct")
+
+
+FINAL = "tp=2,pp=2,dp=1,stages=1:3"
+SEQUENCE = ["tp=1,pp=1,dp=1", "tp=6,pp=1,dp=1", "tp=2,pp=4,dp=2", "tp=3,pp=2,dp=3",
+            "tp=4,pp=3,dp=1", "tp=1,pp=2,dp=5,stages=3:1", "tp=6,pp=2,dp=2", FINAL]
+
+
+def expected_any_rank(full, config):
+    """{rank: {local name: array}} for every rank of `config`, replicas included."""
+    tp, pp, dp = (int(config.split(k + "=")[1].split(",")[0]) for k in ("tp", "pp", "dp"))
+    base = rank_shards(full, config, True, DIVISOR, LAYERS)
+    return {r: base[((r // (tp * dp)) * dp) * tp + r % tp] for r in range(tp * pp * dp)}
+
+
+def check_reconfigure(mnt, full):
+    """Rewriting config switches every view at once; open handles keep theirs."""
+    name = "decoder.layers.0.mlp.linear_fc2.weight"
+    old_path = f"{mnt}/ckpt/latest/rank-00001/tensors/{name}"
+    old_bytes = expected_ranks(full)[1][name].tobytes()
+    held = os.open(old_path, os.O_RDONLY)
+    stop, errors = [False], []
+
+    def keep_reading():  # through the handle opened before any switch
+        r = random.Random(1)
+        while not stop[0]:
+            off = r.randrange(len(old_bytes))
+            if os.pread(held, 4096, off) != old_bytes[off:off + 4096]:
+                errors.append(off)
+    reader = threading.Thread(target=keep_reading)
+    reader.start()
+    try:
+        generation = json.load(open(f"{mnt}/status"))["generation"]
+        for config in SEQUENCE:
+            p = subprocess.run(f"echo {config} > {mnt}/config", shell=True, executable="/bin/bash")
+            assert p.returncode == 0, config
+            generation += 1
+            status = json.load(open(f"{mnt}/status"))
+            assert (status["config"], status["generation"], status["error"]) == (
+                config, generation, None), status
+            assert open(f"{mnt}/config").read() == config + "\n"
+            want = expected_any_rank(full, config)
+            step = f"{mnt}/ckpt/latest"
+            assert sorted(os.listdir(step)) == [f"rank-{r:05d}" for r in sorted(want)], config
+            for rank, tensors in want.items():
+                got, meta = read_safetensors(f"{step}/rank-{rank:05d}/model.safetensors")
+                assert meta["scalai.config"] == config, meta
+                assert sorted(got) == sorted(tensors), (config, rank)
+                for n, x in tensors.items():
+                    assert np.array_equal(got[n], x), (config, rank, n)
+        # A config the layout cannot serve: refused, nothing changes, status says why.
+        p = subprocess.run(f"echo tp=5,pp=1,dp=1 > {mnt}/config", shell=True, executable="/bin/bash",
+                           capture_output=True, text=True)
+        assert p.returncode != 0 and "Invalid argument" in p.stderr, p.stderr
+        status = json.load(open(f"{mnt}/status"))
+        assert status["config"] == FINAL and "not divisible by tp=5" in status["error"], status
+        p = run("reconfigure", mnt, "tp=2,pp=9,dp=1", expect=1)
+        assert "pp=9 needs at least 9 layers but the model has 4" in p.stderr, p.stderr
+        out = run("reconfigure", mnt, FINAL, "--wait").stdout
+        assert FINAL in out, out
+        assert json.load(open(f"{mnt}/status"))["error"] is None
+    finally:
+        stop[0] = True
+        reader.join()
+        os.close(held)
+    assert not errors, errors[:3]
+    print(f"{len(SEQUENCE)} reconfigurations: every rank's bytes checked after each switch")
 
 
 if __name__ == "__main__":
