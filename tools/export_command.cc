@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
 #include "tools/command.h"
+#include "tools/human_bytes.h"
 #include "tools/model_options.h"
 #include "tools/progress_bar.h"
 #include "transfer/exporter.h"

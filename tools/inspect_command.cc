@@ -7,6 +7,7 @@
 #include "nlohmann/json.hpp"
 #include "ptc/status_macros.h"
 #include "tools/command.h"
+#include "tools/human_bytes.h"
 #include "tools/model_options.h"
 #include "transfer/store.h"
 

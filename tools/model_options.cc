@@ -1,7 +1,6 @@
 #include "tools/model_options.h"
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "ptc/model_spec.h"
 #include "ptc/status_macros.h"
 
@@ -38,19 +37,6 @@ absl::StatusOr<LoadedModel> ModelOptions::Load() const {
   ASSIGN_OR_RETURN(Model built, spec.Build(loaded_layout, parsed_dtype));
   return LoadedModel{std::move(loaded_layout),
                      std::make_shared<const Model>(std::move(built))};
-}
-
-std::string HumanBytes(int64_t bytes) {
-  static constexpr const char* kUnits[] = {"B",   "KiB", "MiB",
-                                           "GiB", "TiB", "PiB"};
-  double value = static_cast<double>(bytes);
-  int unit = 0;
-  while (value >= 1024 && unit < 5) {
-    value /= 1024;
-    ++unit;
-  }
-  if (unit == 0) return absl::StrCat(bytes, " B");
-  return absl::StrFormat("%.2f %s", value, kUnits[unit]);
 }
 
 }  // namespace scalai

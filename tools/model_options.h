@@ -36,9 +36,6 @@ struct ModelOptions {
   absl::StatusOr<LoadedModel> Load() const;
 };
 
-// "1.50 GiB", "512 B".
-std::string HumanBytes(int64_t bytes);
-
 }  // namespace scalai
 
 #endif  // SCALAI_TOOLS_MODEL_OPTIONS_H_

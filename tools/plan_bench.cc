@@ -13,6 +13,7 @@
 #include "ptc/placement.h"
 #include "ptc/reshard_plan.h"
 #include "ptc/status_macros.h"
+#include "tools/human_bytes.h"
 #include "tools/model_options.h"
 
 namespace {

@@ -11,6 +11,7 @@
 #include "ptc/reshard_plan.h"
 #include "ptc/status_macros.h"
 #include "tools/command.h"
+#include "tools/human_bytes.h"
 #include "tools/model_options.h"
 #include "transfer/store.h"
 

@@ -4,7 +4,7 @@
 
 #include <cstdio>
 
-#include "tools/model_options.h"
+#include "tools/human_bytes.h"
 
 namespace scalai {
 
