@@ -66,7 +66,6 @@ class Tree {
   // Reads up to `length` bytes at `offset`; returns how many (0 at the end).
   absl::StatusOr<int64_t> Read(const Node& node, int64_t offset, int64_t length,
                                char* out) const;
-  size_t size() const { return nodes_.size(); }
   uint64_t generation() const { return generation_; }
 
   // The kernel's references to inodes: each entry it receives (lookup,

@@ -46,12 +46,6 @@ bool Box::Contains(const Box& other) const {
   return true;
 }
 
-Box Box::Translated(const Shape& delta) const {
-  Shape origin = origin_;
-  for (size_t d = 0; d < origin.size(); ++d) origin[d] += delta[d];
-  return Box(std::move(origin), shape_);
-}
-
 std::string Box::ToString() const {
   std::vector<std::string> ranges;
   for (int d = 0; d < rank(); ++d) {

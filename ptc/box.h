@@ -46,9 +46,6 @@ class Box {
   // True when every element of `other` lies in this box.
   bool Contains(const Box& other) const;
 
-  // The same box moved by `delta` (element-wise added to the origin).
-  Box Translated(const Shape& delta) const;
-
   std::string ToString() const;
 
   friend bool operator==(const Box&, const Box&) = default;

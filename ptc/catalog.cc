@@ -56,10 +56,6 @@ int64_t StepFromKey(absl::string_view key) {
   return static_cast<int64_t>(GetBigEndian(key, 8));
 }
 
-int GroupFromShardKey(absl::string_view key) {
-  return static_cast<int>(GetBigEndian(key.substr(8), 4));
-}
-
 Catalog::Batch::Batch() = default;
 Catalog::Batch::~Batch() = default;
 

@@ -39,7 +39,6 @@ enum class Table {
 std::string StepKey(int64_t step);
 std::string ShardKey(int64_t step, int group);
 int64_t StepFromKey(absl::string_view key);
-int GroupFromShardKey(absl::string_view key);
 
 class Catalog {
  public:

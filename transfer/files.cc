@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 
@@ -84,22 +85,22 @@ absl::Status WriteAll(int fd, const void* data, int64_t size,
   return absl::OkStatus();
 }
 
-absl::Status PreadAll(int fd, void* data, int64_t size, int64_t offset,
-                      absl::string_view path) {
-  char* p = static_cast<char*>(data);
-  while (size > 0) {
-    ssize_t n = pread(
-        fd, p, static_cast<size_t>(std::min<int64_t>(size, 1 << 30)), offset);
+absl::Status ReadChunks(
+    const std::string& path,
+    const std::function<absl::Status(const char*, int64_t)>& chunk) {
+  auto fd = OpenFile(path, O_RDONLY);
+  if (!fd.ok()) return fd.status();
+  posix_fadvise(fd->get(), 0, 0, POSIX_FADV_SEQUENTIAL);
+  constexpr size_t kChunk = 8 << 20;
+  std::unique_ptr<char[]> buffer(new char[kChunk]);
+  for (;;) {
+    ssize_t n = read(fd->get(), buffer.get(), kChunk);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return ErrnoError(errno, "read", path);
-    if (n == 0)
-      return absl::DataLossError(
-          absl::StrCat("read ", path, ": unexpected end of file"));
-    p += n;
-    size -= n;
-    offset += n;
+    if (n == 0) return absl::OkStatus();
+    absl::Status s = chunk(buffer.get(), n);
+    if (!s.ok()) return s;
   }
-  return absl::OkStatus();
 }
 
 absl::StatusOr<int64_t> FileSize(const std::string& path) {

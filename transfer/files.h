@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -57,8 +58,11 @@ class MappedFile {
 
 absl::Status WriteAll(int fd, const void* data, int64_t size,
                       absl::string_view path);
-absl::Status PreadAll(int fd, void* data, int64_t size, int64_t offset,
-                      absl::string_view path);
+// Reads the file at `path` front to back in large chunks, calling
+// `chunk(data, bytes)` for each; stops at the first error either returns.
+absl::Status ReadChunks(
+    const std::string& path,
+    const std::function<absl::Status(const char*, int64_t)>& chunk);
 absl::StatusOr<int64_t> FileSize(const std::string& path);
 // fsync of a directory, so that names created in it survive a crash.
 absl::Status SyncDir(const std::string& dir);

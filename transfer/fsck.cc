@@ -19,21 +19,14 @@
 namespace scalai {
 
 absl::StatusOr<uint64_t> HashFile(const std::string& path, Progress* progress) {
-  ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
-  posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
   XXH3_state_t* state = XXH3_createState();
   absl::Cleanup free_state = [state] { XXH3_freeState(state); };
   XXH3_64bits_reset(state);
-  constexpr size_t kChunk = 8 << 20;
-  std::unique_ptr<char[]> buffer(new char[kChunk]);
-  for (;;) {
-    ssize_t n = read(fd.get(), buffer.get(), kChunk);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return ErrnoError(errno, "read", path);
-    if (n == 0) break;
-    XXH3_64bits_update(state, buffer.get(), n);
+  RETURN_IF_ERROR(ReadChunks(path, [&](const char* data, int64_t n) {
+    XXH3_64bits_update(state, data, n);
     if (progress != nullptr) progress->Add(n);
-  }
+    return absl::OkStatus();
+  }));
   return XXH3_64bits_digest(state);
 }
 

@@ -420,27 +420,20 @@ absl::Status PlanIndex(const Store& store, const std::string& dir,
 absl::StatusOr<BlobRecord> CopyToBlob(const SourceFile& src,
                                       const std::string& blob_path,
                                       Progress& progress) {
-  ASSIGN_OR_RETURN(UniqueFd in, OpenFile(src.path, O_RDONLY));
   ASSIGN_OR_RETURN(UniqueFd out,
                    OpenFile(blob_path, O_WRONLY | O_CREAT | O_EXCL, 0600));
-  posix_fadvise(in.get(), 0, 0, POSIX_FADV_SEQUENTIAL);
   XXH3_state_t* state = XXH3_createState();
   absl::Cleanup free_state = [state] { XXH3_freeState(state); };
   XXH3_64bits_reset(state);
-  constexpr size_t kChunk = 8 << 20;
-  std::unique_ptr<char[]> buffer(new char[kChunk]);
   int64_t size = 0;
-  for (;;) {
-    ssize_t n = read(in.get(), buffer.get(), kChunk);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return ErrnoError(errno, "read", src.path);
-    if (n == 0) break;
-    XXH3_64bits_update(state, buffer.get(), n);
-    RETURN_IF_ERROR(WriteAll(out.get(), buffer.get(), n, blob_path));
+  RETURN_IF_ERROR(ReadChunks(src.path, [&](const char* data, int64_t n) {
+    XXH3_64bits_update(state, data, n);
+    RETURN_IF_ERROR(WriteAll(out.get(), data, n, blob_path));
     size += n;
     progress.Add(n);
     if (size % (32 << 20) < n) StartWriteback(out.get());
-  }
+    return absl::OkStatus();
+  }));
   if (size != src.header.file_size()) {
     return UserError(src.label, "changed while it was imported");
   }
