@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <ctime>
@@ -18,6 +19,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
+#include "transfer/materializer.h"
 
 namespace scalai {
 namespace {
@@ -28,7 +30,9 @@ constexpr unsigned kMaxIo = 1 << 20;
 // entries and attributes for long.
 constexpr double kCacheSeconds = 3600;
 
-// The state shared by all FUSE threads. Lock order: mu only.
+// The state shared by all FUSE threads and the materialization workers.
+// Lock order: mu only. Every catalog change happens under mu, so a tree is
+// always built from one consistent set of records.
 struct Server {
   Store* store;
   uid_t uid;
@@ -37,9 +41,20 @@ struct Server {
   fuse_session* session = nullptr;
   std::mutex mu;
   std::shared_ptr<const Tree> current;  // guarded by mu
-  std::map<uint64_t, std::shared_ptr<const Tree>>
-      trees;          // by generation; guarded by mu
+  // Trees the kernel may still name inodes of, by generation; guarded by mu.
+  std::map<uint64_t, std::shared_ptr<const Tree>> trees;
   std::string error;  // guarded by mu
+
+  // The newest materialization worker and its cancel flag; guarded by mu.
+  // Each worker joins the one it superseded, so joining the newest joins all.
+  std::thread worker;
+  std::shared_ptr<std::atomic<bool>> cancel;
+  bool materializing = false;  // guarded by mu
+  // Bytes written and to write by the running (or last) materialization.
+  std::atomic<int64_t> moved{0};
+  std::atomic<int64_t> to_move{0};
+  // Invalidation threads still running; the session outlives them.
+  std::atomic<int> notifying{0};
 
   // The tree that owns `ino`: the current one for the root.
   std::shared_ptr<const Tree> TreeOf(uint64_t ino) {
@@ -49,13 +64,30 @@ struct Server {
     return it == trees.end() ? nullptr : it->second;
   }
 
+  // Lets go of an old tree once the kernel names none of its inodes: no
+  // lookup is left, so no file of it is open either. Its blobs' mappings
+  // close with it. Requires mu.
+  void RetireIfUnused(const std::shared_ptr<const Tree>& tree) {
+    if (tree != nullptr && tree != current && tree->total_lookups() == 0) {
+      trees.erase(tree->generation());
+    }
+  }
+
   std::string StatusText() {
     std::lock_guard<std::mutex> lock(mu);
+    const int64_t done = moved.load();
+    const int64_t total = to_move.load();
+    double progress = 1.0;
+    if (materializing) {
+      progress = total > 0 ? static_cast<double>(done) / total : 0.0;
+    }
     nlohmann::json j = {{"generation", current->generation()},
                         {"config", current->config().ToString()},
-                        {"state", "ready"},
-                        {"progress", 1.0},
-                        {"error", nullptr}};
+                        {"state", materializing ? "materializing" : "ready"},
+                        {"progress", progress},
+                        {"error", nullptr},
+                        {"bytes_to_move", total},
+                        {"bytes_moved", done}};
     if (!error.empty()) j["error"] = error;
     return j.dump() + "\n";
   }
@@ -242,16 +274,22 @@ void OnReaddirplus(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
   ReplyDir(req, size, offset, fi, /*plus=*/true);
 }
 
+void Forget(Server& s, uint64_t ino, uint64_t nlookup) {
+  std::shared_ptr<const Tree> tree = s.TreeOf(ino);
+  if (tree == nullptr) return;
+  tree->Forget(ino, nlookup);
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.RetireIfUnused(tree);
+}
+
 void OnForget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) {
-  std::shared_ptr<const Tree> tree = Get(req).TreeOf(ino);
-  if (tree) tree->Forget(ino, nlookup);
+  Forget(Get(req), ino, nlookup);
   fuse_reply_none(req);
 }
 
 void OnForgetMulti(fuse_req_t req, size_t count, fuse_forget_data* forgets) {
   for (size_t i = 0; i < count; ++i) {
-    std::shared_ptr<const Tree> tree = Get(req).TreeOf(forgets[i].ino);
-    if (tree) tree->Forget(forgets[i].ino, forgets[i].nlookup);
+    Forget(Get(req), forgets[i].ino, forgets[i].nlookup);
   }
   fuse_reply_none(req);
 }
@@ -327,17 +365,112 @@ void OnSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
   fuse_reply_attr(req, &st, 0);
 }
 
+// The names in the root of the current tree. Requires mu.
+std::vector<std::string> RootNames(const Server& s) {
+  std::vector<std::string> names;
+  for (uint64_t c : s.current->Get(kRootIno)->children) {
+    names.push_back(s.current->Get(c)->name);
+  }
+  return names;
+}
+
 // Tells the kernel to forget the root's entries, so that the next path walk
 // finds the new generation. Runs on its own thread: a notification from
 // inside a request handler may deadlock.
 void InvalidateRoot(Server& s, std::vector<std::string> names) {
+  s.notifying.fetch_add(1);
   std::thread([&s, names = std::move(names)] {
     for (const std::string& name : names) {
       fuse_lowlevel_notify_inval_entry(s.session, kRootIno, name.c_str(),
                                        name.size());
     }
     fuse_lowlevel_notify_inval_inode(s.session, kRootIno, 0, 0);
+    s.notifying.fetch_sub(1);
   }).detach();
+}
+
+// Makes `tree` the one new opens see. Requires mu. The tree it replaces
+// stays: a lookup in the root may be on its way to it right now.
+void Switch(Server& s, std::shared_ptr<const Tree> tree) {
+  const uint64_t replaced = s.current->generation();
+  s.trees[tree->generation()] = tree;
+  s.current = std::move(tree);
+  std::vector<std::shared_ptr<const Tree>> older;
+  for (const auto& [generation, t] : s.trees) {
+    if (generation < replaced) older.push_back(t);
+  }
+  for (const auto& t : older) s.RetireIfUnused(t);
+}
+
+// Writes the current config's shards into new blobs, commits them and
+// switches to a tree that reads from them. Runs on a worker thread; a newer
+// switch cancels it.
+void Materialize(Server& s, const ParallelConfig& target,
+                 const std::atomic<bool>& cancel) {
+  Materialization::Options options;
+  options.cancel = &cancel;
+  options.progress = [&s, &cancel](int64_t done, int64_t total) {
+    if (cancel.load()) return;  // the newer worker owns the counters
+    s.to_move = total;
+    s.moved = done;
+  };
+  absl::StatusOr<Materialization> m =
+      Materialization::Write(*s.store, target, options);
+  std::vector<std::string> names;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (cancel.load()) return;  // superseded: the newer worker reports
+    s.materializing = false;
+    absl::Status result = m.status();
+    if (result.ok() && m->steps() > 0) {
+      result = m->Commit(*s.store);
+      absl::StatusOr<std::unique_ptr<Tree>> next = absl::InternalError("");
+      if (result.ok()) {
+        next = Tree::Build(*s.store, target, s.current->generation() + 1);
+        result = next.status();
+      }
+      if (result.ok()) {
+        Switch(s, std::shared_ptr<const Tree>(std::move(*next)));
+        names = RootNames(s);
+      }
+    }
+    if (result.ok()) {
+      s.to_move = m->bytes_planned();
+      s.moved = m->bytes_written();
+    } else {
+      // The views keep reading from the old shards: correct, only slower.
+      s.error = absl::StrCat("materialization of ", target.ToString(),
+                             " failed: ", result.message());
+    }
+  }
+  if (!names.empty()) InvalidateRoot(s, std::move(names));
+}
+
+// Starts materializing the current config, superseding a running worker.
+// Requires mu.
+void StartMaterialization(Server& s) {
+  if (s.cancel) s.cancel->store(true);
+  auto cancel = std::make_shared<std::atomic<bool>>(false);
+  s.cancel = cancel;
+  s.materializing = true;
+  s.moved = 0;
+  s.to_move = 0;
+  s.worker = std::thread([&s, cancel, target = s.current->config(),
+                          previous = std::move(s.worker)]() mutable {
+    if (previous.joinable()) previous.join();
+    Materialize(s, target, *cancel);
+  });
+}
+
+// Cancels and joins the workers; the views stay correct without them.
+void StopMaterialization(Server& s) {
+  std::thread worker;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.cancel) s.cancel->store(true);
+    worker = std::move(s.worker);
+  }
+  if (worker.joinable()) worker.join();
 }
 
 // Writing a config switches every view at once, or changes nothing and says
@@ -366,18 +499,15 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
     batch.Put(Table::kMeta, "config", config->ToString());
     absl::Status committed = s.store->catalog().Commit(batch);
     if (!committed.ok()) return committed;
-    std::shared_ptr<const Tree> tree(std::move(*next));
-    s.trees[tree->generation()] = tree;
-    s.current = tree;
+    Switch(s, std::shared_ptr<const Tree>(std::move(*next)));
+    StartMaterialization(s);
     return absl::OkStatus();
   }();
   std::vector<std::string> names;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     s.error = result.ok() ? "" : std::string(result.message());
-    for (uint64_t c : s.current->Get(kRootIno)->children) {
-      names.push_back(s.current->Get(c)->name);
-    }
+    names = RootNames(s);
   }
   if (!result.ok()) {
     fuse_reply_err(req, EINVAL);
@@ -438,6 +568,16 @@ absl::Status ServeMount(Store& store, std::unique_ptr<Tree> tree,
   }
   absl::Cleanup unmount = [se] { fuse_session_unmount(se); };
   if (options.on_ready) options.on_ready();
+  {
+    // A store whose steps are not yet stored under its config (switched by
+    // `mount --config`, or a materialization cut short) catches up now.
+    std::lock_guard<std::mutex> lock(server.mu);
+    StartMaterialization(server);
+  }
+  absl::Cleanup stop = [&server] {
+    StopMaterialization(server);
+    while (server.notifying.load() > 0) std::this_thread::yield();
+  };
   fuse_loop_config* config = fuse_loop_cfg_create();
   fuse_loop_cfg_set_max_threads(config, 16);
   fuse_loop_cfg_set_idle_threads(config, 4);

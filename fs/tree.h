@@ -21,7 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "fs/step_view.h"
+#include "transfer/step_view.h"
 #include "ptc/parallel_config.h"
 #include "transfer/store.h"
 

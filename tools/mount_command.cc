@@ -23,6 +23,8 @@
 #include "nlohmann/json.hpp"
 #include "ptc/status_macros.h"
 #include "tools/command.h"
+#include "tools/human_bytes.h"
+#include "tools/progress_bar.h"
 #include "transfer/store.h"
 
 namespace scalai {
@@ -199,15 +201,36 @@ absl::Status RunReconfigure(const std::string& mountpoint,
     return absl::ErrnoToStatus(err, absl::StrCat("write ", path));
   }
   // The views switch at once; with --wait, also until materialization ends.
-  while (wait) {
-    nlohmann::json j = status();
-    if (j.is_discarded() || j.value("state", "") != "materializing") break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
   nlohmann::json j = status();
-  std::printf("%s: %s (generation %s)\n", mountpoint.c_str(),
+  if (wait) {
+    ProgressBar bar("materialize");
+    ProgressFn draw = bar.Callback();
+    while (!j.is_discarded() && j.value("state", "") == "materializing") {
+      if (draw) {
+        draw(j.value("bytes_moved", int64_t{0}),
+             j.value("bytes_to_move", int64_t{0}));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      j = status();
+    }
+    bar.Finish();
+    if (j.is_discarded()) {
+      return absl::UnavailableError(
+          absl::StrCat(mountpoint, "/status is unreadable"));
+    }
+    if (j.contains("error") && j["error"].is_string()) {
+      return absl::InternalError(j["error"].get<std::string>());
+    }
+  }
+  std::printf("%s: %s (generation %s)", mountpoint.c_str(),
               j.value("config", std::string("?")).c_str(),
               j.contains("generation") ? j["generation"].dump().c_str() : "?");
+  if (wait) {
+    std::printf(", materialized: %s written, the plan's minimum %s",
+                HumanBytes(j.value("bytes_moved", int64_t{0})).c_str(),
+                HumanBytes(j.value("bytes_to_move", int64_t{0})).c_str());
+  }
+  std::printf("\n");
   return absl::OkStatus();
 }
 

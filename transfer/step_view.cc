@@ -1,4 +1,4 @@
-#include "fs/step_view.h"
+#include "transfer/step_view.h"
 
 #include <cstring>
 

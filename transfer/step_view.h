@@ -5,8 +5,8 @@
 //
 //   ASSIGN_OR_RETURN(auto view, StepView::Create(store, step, config));
 //   RETURN_IF_ERROR(view->ReadTensor(group, shard, offset, length, buffer));
-#ifndef SCALAI_FS_STEP_VIEW_H_
-#define SCALAI_FS_STEP_VIEW_H_
+#ifndef SCALAI_TRANSFER_STEP_VIEW_H_
+#define SCALAI_TRANSFER_STEP_VIEW_H_
 
 #include <cstdint>
 #include <memory>
@@ -28,6 +28,8 @@ class StepView {
   int64_t step() const { return step_; }
   // The placement of the view's config.
   const Placement& placement() const { return plan_.to(); }
+  // From the placement the step is stored under to placement().
+  const ReshardPlan& plan() const { return plan_; }
 
   // Bytes [offset, offset + length) of placement().shards(group)[shard].
   absl::Status ReadTensor(int group, int shard, int64_t offset, int64_t length,
@@ -43,4 +45,4 @@ class StepView {
 
 }  // namespace scalai
 
-#endif  // SCALAI_FS_STEP_VIEW_H_
+#endif  // SCALAI_TRANSFER_STEP_VIEW_H_

@@ -1,0 +1,230 @@
+#include "transfer/materializer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <memory>
+#include <mutex>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "ptc/reshard_plan.h"
+#include "ptc/safetensors.h"
+#include "ptc/status_macros.h"
+#include "transfer/step_view.h"
+
+namespace scalai {
+namespace {
+
+// Bytes gathered in memory per write: large enough for sequential disk
+// writes, small enough that every I/O thread may hold one.
+constexpr int64_t kWindowBytes = 8 << 20;
+
+// One new blob: the shards of one group of one step that no stored shard
+// holds in place, as a safetensors file of their local names, so that every
+// blob describes itself (fsck checks each location against its header).
+struct BlobJob {
+  size_t step;  // index into the steps being materialized
+  int group;
+  std::string name;
+  std::vector<int> shards;
+  std::string header;
+  int64_t bytes = 0;  // header and data
+};
+
+absl::Status CheckCancel(const std::atomic<bool>* cancel) {
+  if (cancel != nullptr && cancel->load()) {
+    return absl::CancelledError("materialization superseded");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
+                                     const BlobJob& job, const StepView& view,
+                                     int64_t step, Progress& progress,
+                                     const std::atomic<bool>* cancel) {
+  ASSIGN_OR_RETURN(UniqueFd out,
+                   OpenFile(path, O_WRONLY | O_CREAT | O_EXCL, 0600));
+  XXH3_state_t* state = XXH3_createState();
+  absl::Cleanup free_state = [state] { XXH3_freeState(state); };
+  XXH3_64bits_reset(state);
+  std::unique_ptr<char[]> window(new char[std::min(kWindowBytes, job.bytes)]);
+  XXH3_64bits_update(state, job.header.data(), job.header.size());
+  RETURN_IF_ERROR(
+      WriteAll(out.get(), job.header.data(), job.header.size(), path));
+  const std::vector<TensorShard>& shards = view.placement().shards(job.group);
+  for (int k : job.shards) {
+    for (int64_t at = 0; at < shards[k].bytes; at += kWindowBytes) {
+      RETURN_IF_ERROR(CheckCancel(cancel));
+      const int64_t n = std::min(kWindowBytes, shards[k].bytes - at);
+      RETURN_IF_ERROR(view.ReadTensor(job.group, k, at, n, window.get()));
+      XXH3_64bits_update(state, window.get(), n);
+      RETURN_IF_ERROR(WriteAll(out.get(), window.get(), n, path));
+      StartWriteback(out.get());
+      progress.Add(n);
+    }
+  }
+  return BlobRecord{job.bytes, XXH3_64bits_digest(state), step};
+}
+
+// Adds `name` to the shard record's blob list once; returns its index.
+int BlobIndex(ShardRecord& record, const std::string& name) {
+  for (size_t i = 0; i < record.blobs.size(); ++i) {
+    if (record.blobs[i] == name) return static_cast<int>(i);
+  }
+  record.blobs.push_back(name);
+  return static_cast<int>(record.blobs.size()) - 1;
+}
+
+}  // namespace
+
+absl::StatusOr<Materialization> Materialization::Write(
+    const Store& store, const ParallelConfig& config, const Options& options) {
+  Materialization m;
+  m.blob_dir_ = store.blob_dir();
+  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store.Steps());
+  std::vector<std::unique_ptr<StepView>> views;
+  std::vector<BlobJob> jobs;
+  const std::string target = config.ToString();
+  for (const StepRecord& step : steps) {
+    if (step.config == target) continue;
+    ASSIGN_OR_RETURN(std::unique_ptr<StepView> view,
+                     StepView::Create(store, step, config));
+    const ReshardPlan& plan = view->plan();
+    const Placement& to = plan.to();
+    StepUpdate update;
+    update.before = step;
+    update.after = {step.step, target, to.num_groups(), 0};
+    std::vector<ShardRecord> stored;
+    for (int g = 0; g < step.groups; ++g) {
+      ASSIGN_OR_RETURN(ShardRecord record, store.Shard(step.step, g));
+      for (const std::string& name : record.blobs)
+        update.blobs_before.insert(name);
+      stored.push_back(std::move(record));
+    }
+    m.bytes_planned_ += plan.Summarize().bytes_to_write;
+    for (int g = 0; g < to.num_groups(); ++g) {
+      const std::vector<TensorShard>& shards = to.shards(g);
+      BlobJob job{m.steps_.size(), g, Store::NewBlobName(), {}, "", 0};
+      std::vector<SafetensorsEntry> entries;
+      for (size_t k = 0; k < shards.size(); ++k) {
+        update.after.bytes += shards[k].bytes;
+        if (plan.in_place_source(g, static_cast<int>(k)).valid()) continue;
+        job.shards.push_back(static_cast<int>(k));
+        entries.push_back({shards[k].local_name,
+                           to.model().tensor(shards[k].tensor).dtype,
+                           shards[k].local_shape, 0, 0});
+      }
+      ASSIGN_OR_RETURN(
+          SafetensorsHeader header,
+          SafetensorsHeader::Build(
+              std::move(entries),
+              {{"scalai.step", absl::StrCat(step.step)},
+               {"scalai.config", target},
+               {"scalai.group", absl::StrCat(g)}}));
+      job.header = header.Serialize();
+      job.bytes = header.file_size();
+      ShardRecord record;
+      for (size_t k = 0, moved = 0; k < shards.size(); ++k) {
+        ShardRef same = plan.in_place_source(g, static_cast<int>(k));
+        if (same.valid()) {
+          const ShardRecord& src = stored[same.group];
+          const ShardRecord::Location& at = src.tensors[same.shard];
+          record.tensors.push_back(
+              {BlobIndex(record, src.blobs[at.blob]), at.offset});
+        } else {
+          const SafetensorsEntry& e = header.tensors()[moved++];
+          record.tensors.push_back({BlobIndex(record, job.name),
+                                    header.data_start() + e.data_begin});
+        }
+      }
+      if (!job.shards.empty()) jobs.push_back(std::move(job));
+      update.shards.push_back(std::move(record));
+    }
+    m.steps_.push_back(std::move(update));
+    views.push_back(std::move(view));
+  }
+  // From here on the destructor removes whatever was written.
+  for (const BlobJob& job : jobs) m.new_blobs_[job.name] = {};
+  Progress progress(m.bytes_planned_, options.progress);
+  std::mutex mu;
+  RETURN_IF_ERROR(ParallelFor(jobs.size(), IoThreads(), [&](size_t i) {
+    const BlobJob& job = jobs[i];
+    ASSIGN_OR_RETURN(BlobRecord blob,
+                     WriteBlob(store.BlobPath(job.name), job, *views[job.step],
+                               m.steps_[job.step].after.step, progress,
+                               options.cancel));
+    std::lock_guard<std::mutex> lock(mu);
+    m.new_blobs_[job.name] = blob;
+    return absl::OkStatus();
+  }));
+  RETURN_IF_ERROR(CheckCancel(options.cancel));
+  if (!jobs.empty()) RETURN_IF_ERROR(SyncFilesystem(m.blob_dir_));
+  m.bytes_written_ = progress.done();
+  return m;
+}
+
+Materialization::Materialization(Materialization&& other) noexcept
+    : blob_dir_(std::move(other.blob_dir_)),
+      steps_(std::move(other.steps_)),
+      new_blobs_(std::move(other.new_blobs_)),
+      bytes_planned_(other.bytes_planned_),
+      bytes_written_(other.bytes_written_),
+      blobs_freed_(std::move(other.blobs_freed_)),
+      committed_(other.committed_) {
+  other.new_blobs_.clear();
+  other.committed_ = true;
+}
+
+Materialization::~Materialization() {
+  if (committed_) return;
+  for (const auto& [name, blob] : new_blobs_) {
+    unlink((blob_dir_ + "/" + name).c_str());
+  }
+}
+
+absl::Status Materialization::Commit(Store& store) {
+  if (committed_) return absl::OkStatus();
+  Catalog::Batch batch;
+  std::set<std::string> freed;
+  for (const StepUpdate& u : steps_) {
+    ASSIGN_OR_RETURN(std::optional<StepRecord> now,
+                     store.FindStep(u.before.step));
+    if (!now || now->config != u.before.config) {
+      return absl::AbortedError(absl::StrCat(
+          "step ", u.before.step, " changed while it was materialized"));
+    }
+    batch.Put(Table::kSteps, StepKey(u.after.step), Store::EncodeStep(u.after));
+    std::set<std::string> used;
+    for (int g = 0; g < u.after.groups; ++g) {
+      batch.Put(Table::kShards, ShardKey(u.after.step, g),
+                Store::EncodeShard(u.shards[g]));
+      used.insert(u.shards[g].blobs.begin(), u.shards[g].blobs.end());
+    }
+    for (int g = u.after.groups; g < u.before.groups; ++g) {
+      batch.Delete(Table::kShards, ShardKey(u.after.step, g));
+    }
+    for (const std::string& name : u.blobs_before) {
+      if (!used.contains(name)) freed.insert(name);
+    }
+  }
+  for (const auto& [name, blob] : new_blobs_) {
+    batch.Put(Table::kBlobs, name, Store::EncodeBlob(blob));
+  }
+  for (const std::string& name : freed) batch.Delete(Table::kBlobs, name);
+  RETURN_IF_ERROR(store.catalog().Commit(batch));
+  committed_ = true;
+  // The records no longer name these; a crash before the unlinks leaves
+  // orphans that the next writable open sweeps.
+  for (const std::string& name : freed) {
+    if (unlink(store.BlobPath(name).c_str()) == 0 || errno == ENOENT) {
+      blobs_freed_.push_back(name);
+    }
+  }
+  if (!freed.empty()) RETURN_IF_ERROR(SyncDir(blob_dir_));
+  return absl::OkStatus();
+}
+
+}  // namespace scalai
