@@ -198,11 +198,40 @@ void OnReadlink(fuse_req_t req, fuse_ino_t ino) {
   fuse_reply_readlink(req, n->text.c_str());
 }
 
+// Tells the kernel that the inodes of older trees are gone, deepest first,
+// so that it drops them as soon as nothing uses them and sends FORGET; the
+// last FORGET retires the tree (RetireIfUnused) and closes its blobs. A
+// directory still in use stays until a later pass: each switch and each
+// release of an old handle starts one.
+void ReapOldTrees(Server& s) {
+  std::vector<std::shared_ptr<const Tree>> old;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (const auto& [generation, tree] : s.trees) {
+      if (tree != s.current) old.push_back(tree);
+    }
+  }
+  if (old.empty()) return;
+  s.notifying.fetch_add(1);
+  std::thread([&s, old = std::move(old)] {
+    for (const auto& tree : old) {
+      for (const Node* n : tree->ReferencedDeepestFirst()) {
+        fuse_lowlevel_notify_delete(s.session, n->parent, n->ino,
+                                    n->name.c_str(), n->name.size());
+      }
+    }
+    s.notifying.fetch_sub(1);
+  }).detach();
+}
+
 // An open file or directory holds its tree: a reconfiguration never changes
 // bytes under a reader.
+// A handle of `status` holds the text as it was at open, so that reads in
+// pieces never mix two states.
 struct Handle {
   std::shared_ptr<const Tree> tree;
   const Node* node;
+  std::string snapshot;
 };
 
 Handle* HandleOf(fuse_file_info* fi) {
@@ -217,7 +246,7 @@ void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   } else if (n->kind != NodeKind::kDir) {
     fuse_reply_err(req, ENOTDIR);
   } else {
-    fi->fh = reinterpret_cast<uint64_t>(new Handle{tree, n});
+    fi->fh = reinterpret_cast<uint64_t>(new Handle{tree, n, ""});
     // The root's listing is the same in every generation; others never change.
     fi->keep_cache = 1;
     fi->cache_readdir = 1;
@@ -306,7 +335,9 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   } else if (writing && !(n->mode & 0200)) {
     fuse_reply_err(req, EACCES);
   } else {
-    fi->fh = reinterpret_cast<uint64_t>(new Handle{tree, n});
+    auto* handle = new Handle{tree, n, ""};
+    if (n->live) handle->snapshot = Get(req).StatusText();
+    fi->fh = reinterpret_cast<uint64_t>(handle);
     if (Volatile(*n)) {
       fi->direct_io = 1;
     } else {
@@ -319,16 +350,18 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
 }
 
 void OnRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+  Server& s = Get(req);
+  const bool old = HandleOf(fi)->tree != s.TreeOf(kRootIno);
   delete HandleOf(fi);
   fuse_reply_err(req, 0);
+  if (old) ReapOldTrees(s);
 }
 
 void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
             fuse_file_info* fi) {
-  Server& s = Get(req);
   const Handle& h = *HandleOf(fi);
   if (h.node->live) {
-    std::string text = s.StatusText();
+    const std::string& text = h.snapshot;
     const size_t at = std::min<size_t>(offset, text.size());
     fuse_reply_buf(req, text.data() + at, std::min(size, text.size() - at));
     return;
@@ -443,7 +476,10 @@ void Materialize(Server& s, const ParallelConfig& target,
                              " failed: ", result.message());
     }
   }
-  if (!names.empty()) InvalidateRoot(s, std::move(names));
+  if (!names.empty()) {
+    InvalidateRoot(s, std::move(names));
+    ReapOldTrees(s);
+  }
 }
 
 // Starts materializing the current config, superseding a running worker.
@@ -515,6 +551,7 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
   }
   fuse_reply_write(req, size);
   InvalidateRoot(s, std::move(names));
+  ReapOldTrees(s);
 }
 
 }  // namespace

@@ -194,6 +194,15 @@ void Tree::Forget(uint64_t ino, uint64_t n) const {
   total_lookups_.fetch_sub(std::min(have, n));
 }
 
+std::vector<const Node*> Tree::ReferencedDeepestFirst() const {
+  // A child is always added after its parent: reverse order puts it first.
+  std::vector<const Node*> out;
+  for (size_t i = nodes_.size(); i-- > 1;) {
+    if (lookups_[i].load() > 0) out.push_back(&nodes_[i]);
+  }
+  return out;
+}
+
 uint64_t Tree::lookups(uint64_t ino) const {
   std::optional<size_t> i = IndexOf(ino);
   return i ? lookups_[*i].load() : 0;

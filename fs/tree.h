@@ -21,8 +21,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "transfer/step_view.h"
 #include "ptc/parallel_config.h"
+#include "transfer/step_view.h"
 #include "transfer/store.h"
 
 namespace scalai {
@@ -75,6 +75,8 @@ class Tree {
   void Forget(uint64_t ino, uint64_t n) const;
   uint64_t lookups(uint64_t ino) const;
   uint64_t total_lookups() const { return total_lookups_.load(); }
+  // The nodes the kernel holds, each after everything below it.
+  std::vector<const Node*> ReferencedDeepestFirst() const;
 
  private:
   Tree() = default;

@@ -119,11 +119,10 @@ absl::StatusOr<Materialization> Materialization::Write(
       }
       ASSIGN_OR_RETURN(
           SafetensorsHeader header,
-          SafetensorsHeader::Build(
-              std::move(entries),
-              {{"scalai.step", absl::StrCat(step.step)},
-               {"scalai.config", target},
-               {"scalai.group", absl::StrCat(g)}}));
+          SafetensorsHeader::Build(std::move(entries),
+                                   {{"scalai.step", absl::StrCat(step.step)},
+                                    {"scalai.config", target},
+                                    {"scalai.group", absl::StrCat(g)}}));
       job.header = header.Serialize();
       job.bytes = header.file_size();
       ShardRecord record;
@@ -152,10 +151,10 @@ absl::StatusOr<Materialization> Materialization::Write(
   std::mutex mu;
   RETURN_IF_ERROR(ParallelFor(jobs.size(), IoThreads(), [&](size_t i) {
     const BlobJob& job = jobs[i];
-    ASSIGN_OR_RETURN(BlobRecord blob,
-                     WriteBlob(store.BlobPath(job.name), job, *views[job.step],
-                               m.steps_[job.step].after.step, progress,
-                               options.cancel));
+    ASSIGN_OR_RETURN(
+        BlobRecord blob,
+        WriteBlob(store.BlobPath(job.name), job, *views[job.step],
+                  m.steps_[job.step].after.step, progress, options.cancel));
     std::lock_guard<std::mutex> lock(mu);
     m.new_blobs_[job.name] = blob;
     return absl::OkStatus();

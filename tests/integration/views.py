@@ -1,0 +1,48 @@
+"""What a mount's views must show, for the integration tests: every rank's
+tensors of a config, cut from the full tensors by the numpy reference, and
+the mount's status."""
+import json
+import os
+import time
+
+import numpy as np
+
+from reference import parse_config, read_safetensors, rank_shards
+
+
+def expected(full, config, layers, divisor):
+    """{rank: {local name: array}} for every rank of `config`, replicas included."""
+    tp, pp, dp, _ = parse_config(config)
+    base = rank_shards(full, config, True, divisor, layers)
+    return {r: base[((r // (tp * dp)) * dp) * tp + r % tp] for r in range(tp * pp * dp)}
+
+
+def status(mnt):
+    with open(f"{mnt}/status") as f:
+        return json.load(f)
+
+
+def check_bytes(mnt, full, config, layers, divisor):
+    """Every rank's model.safetensors and tensors/ files against slicing."""
+    want = expected(full, config, layers, divisor)
+    step = f"{mnt}/ckpt/latest"
+    assert sorted(os.listdir(step)) == [f"rank-{r:05d}" for r in sorted(want)], config
+    for rank, tensors in want.items():
+        got, meta = read_safetensors(f"{step}/rank-{rank:05d}/model.safetensors")
+        assert meta["scalai.config"] == config, (config, meta)
+        assert sorted(got) == sorted(tensors), (config, rank)
+        for name, x in tensors.items():
+            assert np.array_equal(got[name], x), (config, rank, name)
+            with open(f"{step}/rank-{rank:05d}/tensors/{name}", "rb") as f:
+                assert f.read() == x.tobytes(), (config, rank, name)
+
+
+def wait_ready(mnt, config, timeout=120):
+    deadline = time.time() + timeout
+    while True:
+        s = status(mnt)
+        if s["state"] == "ready":
+            assert s["config"] == config and s["error"] is None, s
+            return s
+        assert time.time() < deadline, s
+        time.sleep(0.02)
