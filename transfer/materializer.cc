@@ -5,6 +5,7 @@
 #include <xxhash.h>
 
 #include <cerrno>
+#include <cstring>
 #include <memory>
 #include <mutex>
 
@@ -41,32 +42,100 @@ absl::Status CheckCancel(const std::atomic<bool>* cancel) {
   return absl::OkStatus();
 }
 
+// Appends to a new blob, hashing in blob order. Short pieces (rows of a
+// split along dim 1, zero padding) are gathered in a window and written
+// together; long ones go from the source mapping to the file in one write,
+// with no copy in between.
+class BlobWriter {
+ public:
+  BlobWriter(UniqueFd out, std::string path)
+      : out_(std::move(out)),
+        path_(std::move(path)),
+        window_(new char[kWindowBytes]),
+        state_(XXH3_createState()) {
+    XXH3_64bits_reset(state_);
+  }
+  ~BlobWriter() { XXH3_freeState(state_); }
+
+  absl::Status Append(const char* data, int64_t n) {
+    if (n >= kDirectBytes) {
+      RETURN_IF_ERROR(Flush());
+      XXH3_64bits_update(state_, data, n);
+      RETURN_IF_ERROR(WriteAll(out_.get(), data, n, path_));
+      StartWriteback(out_.get());
+      return absl::OkStatus();
+    }
+    if (used_ + n > kWindowBytes) RETURN_IF_ERROR(Flush());
+    std::memcpy(window_.get() + used_, data, n);
+    used_ += n;
+    return absl::OkStatus();
+  }
+
+  absl::Status AppendZeros(int64_t n) {
+    while (n > 0) {
+      if (used_ == kWindowBytes) RETURN_IF_ERROR(Flush());
+      const int64_t k = std::min(n, kWindowBytes - used_);
+      std::memset(window_.get() + used_, 0, k);
+      used_ += k;
+      n -= k;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Flush() {
+    if (used_ == 0) return absl::OkStatus();
+    XXH3_64bits_update(state_, window_.get(), used_);
+    RETURN_IF_ERROR(WriteAll(out_.get(), window_.get(), used_, path_));
+    StartWriteback(out_.get());
+    used_ = 0;
+    return absl::OkStatus();
+  }
+
+  uint64_t digest() const { return XXH3_64bits_digest(state_); }
+
+ private:
+  // Pieces this long are written straight from their source.
+  static constexpr int64_t kDirectBytes = 256 << 10;
+  UniqueFd out_;
+  std::string path_;
+  std::unique_ptr<char[]> window_;
+  int64_t used_ = 0;
+  XXH3_state_t* state_;
+};
+
 absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
                                      const BlobJob& job, const StepView& view,
                                      int64_t step, Progress& progress,
                                      const std::atomic<bool>* cancel) {
   ASSIGN_OR_RETURN(UniqueFd out,
                    OpenFile(path, O_WRONLY | O_CREAT | O_EXCL, 0600));
-  XXH3_state_t* state = XXH3_createState();
-  absl::Cleanup free_state = [state] { XXH3_freeState(state); };
-  XXH3_64bits_reset(state);
-  std::unique_ptr<char[]> window(new char[std::min(kWindowBytes, job.bytes)]);
-  XXH3_64bits_update(state, job.header.data(), job.header.size());
-  RETURN_IF_ERROR(
-      WriteAll(out.get(), job.header.data(), job.header.size(), path));
+  BlobWriter writer(std::move(out), path);
+  RETURN_IF_ERROR(writer.Append(job.header.data(), job.header.size()));
   const std::vector<TensorShard>& shards = view.placement().shards(job.group);
   for (int k : job.shards) {
-    for (int64_t at = 0; at < shards[k].bytes; at += kWindowBytes) {
-      RETURN_IF_ERROR(CheckCancel(cancel));
-      const int64_t n = std::min(kWindowBytes, shards[k].bytes - at);
-      RETURN_IF_ERROR(view.ReadTensor(job.group, k, at, n, window.get()));
-      XXH3_64bits_update(state, window.get(), n);
-      RETURN_IF_ERROR(WriteAll(out.get(), window.get(), n, path));
-      StartWriteback(out.get());
-      progress.Add(n);
+    RETURN_IF_ERROR(CheckCancel(cancel));
+    ASSIGN_OR_RETURN(std::vector<Segment> segments,
+                     view.plan().Resolve(job.group, k, 0, shards[k].bytes));
+    int64_t since_check = 0;
+    for (const Segment& seg : segments) {
+      if (seg.src.valid()) {
+        const char* src = reinterpret_cast<const char*>(
+            view.stored().tensor(seg.src).data + seg.src_offset);
+        RETURN_IF_ERROR(writer.Append(src, seg.length));
+      } else {
+        RETURN_IF_ERROR(writer.AppendZeros(seg.length));
+      }
+      since_check += seg.length;
+      if (since_check >= kWindowBytes) {
+        RETURN_IF_ERROR(CheckCancel(cancel));
+        progress.Add(since_check);
+        since_check = 0;
+      }
     }
+    progress.Add(since_check);
   }
-  return BlobRecord{job.bytes, XXH3_64bits_digest(state), step};
+  RETURN_IF_ERROR(writer.Flush());
+  return BlobRecord{job.bytes, writer.digest(), step};
 }
 
 // Adds `name` to the shard record's blob list once; returns its index.

@@ -30,6 +30,8 @@ class StepView {
   const Placement& placement() const { return plan_.to(); }
   // From the placement the step is stored under to placement().
   const ReshardPlan& plan() const { return plan_; }
+  // The bytes of the shards as stored, which plan() reads from.
+  const StepBytes& stored() const { return bytes_; }
 
   // Bytes [offset, offset + length) of placement().shards(group)[shard].
   absl::Status ReadTensor(int group, int shard, int64_t offset, int64_t length,
