@@ -47,7 +47,17 @@ if [[ -e /dev/fuse ]]; then
   step ls "$work/mnt" "$work/mnt/ckpt/latest"
   step ls -l "$work/mnt/ckpt/latest/rank-00005"
   step /usr/bin/python3 -c "import json; print(json.load(open('$work/mnt/ckpt/latest/rank-00005/rank.json'))['tensors']['output_layer.weight'])"
+  echo
+  echo "== Two GPUs fail: shrink to tp=1,pp=2,dp=1 while mounted. Views switch at once; =="
+  echo "== the new shards are written in the background, only the bytes that must move =="
+  step "$scalai" plan --layout megatron-core-gpt --model "$model" \
+    --from tp=4,pp=1,dp=2 --to tp=1,pp=2,dp=1
+  step sh -c "echo tp=1,pp=2,dp=1 > '$work/mnt/config'; cat '$work/mnt/status'; ls '$work/mnt/ckpt/latest'"
+  step "$scalai" reconfigure "$work/mnt" tp=1,pp=2,dp=1 --wait
+  step cat "$work/mnt/status"
+  step "$scalai" reconfigure "$work/mnt" tp=1,pp=2,dp=4 --wait
   step "$scalai" umount "$work/mnt"
+  step "$scalai" fsck "$work/job"
 fi
 
 echo
