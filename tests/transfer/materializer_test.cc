@@ -1,0 +1,181 @@
+// The plan executor on a real store: it writes exactly the plan's minimum,
+// nothing for a pure data-parallel change, leaves no file when cancelled or
+// dropped before its commit, refuses to commit over a step changed meanwhile,
+// and after its commit the store exports the same bytes and frees the blobs
+// no record names.
+#include "transfer/materializer.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "ptc/model_spec.h"
+#include "ptc/reshard_plan.h"
+#include "tools/synth.h"
+#include "transfer/exporter.h"
+#include "transfer/fsck.h"
+#include "transfer/importer.h"
+
+namespace scalai {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string ReadAll(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+ParallelConfig Config(const char* text) { return *ParallelConfig::Parse(text); }
+
+class MaterializerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           absl::StrFormat("materializer-%d", getpid());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "src");
+    layout_ = *Layout::Load("megatron-core-gpt");
+    ModelSpec spec = *ModelSpec::Parse(
+        "layers=4,hidden=64,heads=4,groups=2,vocab=50,gated_linear_unit=1");
+    ASSERT_TRUE(spec.ApplyParams(layout_).ok());
+    model_ = std::make_shared<const Model>(*spec.Build(layout_, DType::kF32));
+    Placement p = *Placement::Create(layout_, model_, saved_);
+    for (int rank = 0; rank < 4; ++rank) {
+      fs::path rank_dir = dir_ / "src" / absl::StrFormat("rank-%05d", rank);
+      fs::create_directories(rank_dir);
+      ASSERT_TRUE(
+          WriteSynthShard(p, rank, 3, (rank_dir / "model.safetensors").string())
+              .ok());
+    }
+    auto store = Store::Create((dir_ / "store").string(), layout_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ImportOptions o;
+    o.src = (dir_ / "src").string();
+    o.config = saved_;
+    o.step = 5;
+    ASSERT_TRUE(ImportCheckpoint(**store, o).ok());
+    store->reset();  // opened again, as the mount does, with its model
+    store_ = *Store::Open((dir_ / "store").string());
+  }
+  void TearDown() override {
+    store_.reset();
+    fs::remove_all(dir_);
+  }
+
+  int BlobFiles() const {
+    int n = 0;
+    for ([[maybe_unused]] auto& e :
+         fs::directory_iterator(dir_ / "store/blobs"))
+      ++n;
+    return n;
+  }
+
+  int64_t Planned(const ParallelConfig& to) const {
+    auto from = std::make_shared<const Placement>(
+        *Placement::Create(layout_, model_, saved_));
+    auto dst = std::make_shared<const Placement>(
+        *Placement::Create(layout_, model_, to));
+    return ReshardPlan::Create(from, dst)->Summarize().bytes_to_write;
+  }
+
+  // Every rank's exported model.safetensors under `config`, concatenated.
+  std::string Export(const ParallelConfig& config, const char* name) {
+    ExportOptions o;
+    o.out = (dir_ / name).string();
+    o.config = config;
+    EXPECT_TRUE(ExportCheckpoint(*store_, o).ok());
+    std::string all;
+    for (int g = 0; g < config.num_shard_groups(); ++g) {
+      const int rank = config.Rank({g % config.tp(), 0, g / config.tp()});
+      all += ReadAll(dir_ / name / absl::StrFormat("rank-%05d", rank) /
+                     "model.safetensors");
+    }
+    return all;
+  }
+
+  fs::path dir_;
+  Layout layout_;
+  std::shared_ptr<const Model> model_;
+  const ParallelConfig saved_ = Config("tp=2,pp=2,dp=1");
+  std::unique_ptr<Store> store_;
+};
+
+TEST_F(MaterializerTest, WritesThePlansMinimumAndCommitsOnce) {
+  const ParallelConfig to = Config("tp=1,pp=4,dp=2");
+  const std::string before = Export(to, "before");
+  const std::string saved_before = Export(saved_, "saved-before");
+  const int files_before = BlobFiles();
+  auto m = Materialization::Write(*store_, to, {});
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->steps(), 1);
+  EXPECT_GT(m->bytes_planned(), 0);
+  EXPECT_EQ(m->bytes_planned(), Planned(to));
+  EXPECT_EQ(m->bytes_written(), m->bytes_planned());
+  // Written but not committed: the records still say tp=2,pp=2.
+  EXPECT_EQ(store_->Steps()->front().config, saved_.ToString());
+  ASSERT_TRUE(m->Commit(*store_).ok());
+  EXPECT_EQ(store_->Steps()->front().config, to.ToString());
+  EXPECT_EQ(store_->Steps()->front().groups, 4);
+  EXPECT_FALSE(m->blobs_freed().empty());
+  EXPECT_EQ(static_cast<size_t>(BlobFiles()), store_->Blobs()->size());
+  EXPECT_LE(BlobFiles(), files_before + 4);
+  auto problems = CheckStore(*store_, nullptr);
+  ASSERT_TRUE(problems.ok());
+  EXPECT_TRUE(problems->empty()) << (*problems)[0];
+  EXPECT_EQ(Export(to, "after"), before);
+  EXPECT_EQ(Export(saved_, "saved-after"), saved_before);
+}
+
+TEST_F(MaterializerTest, PureDataParallelChangeWritesNothing) {
+  auto m = Materialization::Write(*store_, Config("tp=2,pp=2,dp=8"), {});
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->steps(), 1);
+  EXPECT_EQ(m->bytes_planned(), 0);
+  EXPECT_EQ(m->bytes_written(), 0);
+  const int files = BlobFiles();
+  ASSERT_TRUE(m->Commit(*store_).ok());
+  EXPECT_EQ(BlobFiles(), files);
+  EXPECT_TRUE(m->blobs_freed().empty());
+  // Already stored under the config: nothing left to do.
+  auto again = Materialization::Write(*store_, Config("tp=2,pp=2,dp=8"), {});
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->steps(), 0);
+}
+
+TEST_F(MaterializerTest, CancelledOrDroppedLeavesNoFile) {
+  const int files = BlobFiles();
+  std::atomic<bool> cancel{true};
+  Materialization::Options o;
+  o.cancel = &cancel;
+  auto m = Materialization::Write(*store_, Config("tp=4,pp=1,dp=1"), o);
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(BlobFiles(), files);
+  {
+    auto dropped =
+        Materialization::Write(*store_, Config("tp=4,pp=1,dp=1"), {});
+    ASSERT_TRUE(dropped.ok());
+    EXPECT_GT(BlobFiles(), files);
+  }
+  EXPECT_EQ(BlobFiles(), files);
+  EXPECT_EQ(store_->Steps()->front().config, saved_.ToString());
+}
+
+TEST_F(MaterializerTest, RefusesToCommitOverAStepChangedMeanwhile) {
+  auto first = Materialization::Write(*store_, Config("tp=4,pp=1,dp=1"), {});
+  auto second = Materialization::Write(*store_, Config("tp=1,pp=2,dp=1"), {});
+  ASSERT_TRUE(first.ok() && second.ok());
+  ASSERT_TRUE(second->Commit(*store_).ok());
+  absl::Status s = first->Commit(*store_);
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_EQ(store_->Steps()->front().config, "tp=1,pp=2,dp=1");
+}
+
+}  // namespace
+}  // namespace scalai
