@@ -106,8 +106,12 @@ def expected_ranks(full):
 def check_tree(tmp, mnt, full):
     assert sorted(os.listdir(mnt)) == ["ckpt", "config", "data", "job.json", "status"]
     assert open(f"{mnt}/config").read() == MOUNTED + "\n"
-    status = json.load(open(f"{mnt}/status"))
-    assert status["state"] == "ready" and status["config"] == MOUNTED, status
+    # Mounting under another config starts materializing it in the background.
+    deadline = time.time() + 60
+    while (status := json.load(open(f"{mnt}/status")))["state"] != "ready":
+        assert status["state"] == "materializing" and time.time() < deadline, status
+        time.sleep(0.02)
+    assert status["config"] == MOUNTED and status["error"] is None, status
     assert os.readlink(f"{mnt}/ckpt/latest") == "step-00000100"
     step = f"{mnt}/ckpt/latest"
     ranks = expected_ranks(full)
