@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <ctime>
 #include <map>
@@ -198,24 +199,47 @@ void OnReadlink(fuse_req_t req, fuse_ino_t ino) {
   fuse_reply_readlink(req, n->text.c_str());
 }
 
-// Tells the kernel that the inodes of older trees are gone, deepest first,
-// so that it drops them as soon as nothing uses them and sends FORGET; the
-// last FORGET retires the tree (RetireIfUnused) and closes its blobs. A
-// directory still in use stays until a later pass: each switch and each
-// release of an old handle starts one.
+// An open file or directory holds its tree: a reconfiguration never changes
+// bytes under a reader, and the node is not reported deleted while open. A
+// handle of `status` holds the text as it was at open, so that reads in
+// pieces never mix two states.
+struct Handle {
+  Handle(std::shared_ptr<const Tree> t, const Node* n, std::string text = "")
+      : tree(std::move(t)), node(n), snapshot(std::move(text)) {
+    tree->CountOpen(node->ino, +1);
+  }
+  ~Handle() { tree->CountOpen(node->ino, -1); }
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+
+  const std::shared_ptr<const Tree> tree;
+  const Node* const node;
+  const std::string snapshot;
+};
+
+// Path walks that began before a switch get this long to open what they
+// looked up before the old tree's nodes are reported deleted.
+constexpr auto kReapGrace = std::chrono::milliseconds(300);
+
+// Tells the kernel that the inodes of older generations are gone, deepest
+// first, so that it drops them as soon as nothing uses them and sends
+// FORGET; the last FORGET retires the tree (RetireIfUnused) and closes its
+// blobs. Open nodes, and directories above them, stay until a later pass:
+// each switch and each release of an old handle starts one.
 void ReapOldTrees(Server& s) {
   std::vector<std::shared_ptr<const Tree>> old;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     for (const auto& [generation, tree] : s.trees) {
-      if (tree != s.current) old.push_back(tree);
+      if (generation < s.current->generation()) old.push_back(tree);
     }
   }
   if (old.empty()) return;
   s.notifying.fetch_add(1);
   std::thread([&s, old = std::move(old)] {
+    std::this_thread::sleep_for(kReapGrace);
     for (const auto& tree : old) {
-      for (const Node* n : tree->ReferencedDeepestFirst()) {
+      for (const Node* n : tree->UnopenedReferencesDeepestFirst()) {
         fuse_lowlevel_notify_delete(s.session, n->parent, n->ino,
                                     n->name.c_str(), n->name.size());
       }
@@ -223,16 +247,6 @@ void ReapOldTrees(Server& s) {
     s.notifying.fetch_sub(1);
   }).detach();
 }
-
-// An open file or directory holds its tree: a reconfiguration never changes
-// bytes under a reader.
-// A handle of `status` holds the text as it was at open, so that reads in
-// pieces never mix two states.
-struct Handle {
-  std::shared_ptr<const Tree> tree;
-  const Node* node;
-  std::string snapshot;
-};
 
 Handle* HandleOf(fuse_file_info* fi) {
   return reinterpret_cast<Handle*>(fi->fh);
@@ -246,7 +260,7 @@ void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   } else if (n->kind != NodeKind::kDir) {
     fuse_reply_err(req, ENOTDIR);
   } else {
-    fi->fh = reinterpret_cast<uint64_t>(new Handle{tree, n, ""});
+    fi->fh = reinterpret_cast<uint64_t>(new Handle(tree, n));
     // The root's listing is the same in every generation; others never change.
     fi->keep_cache = 1;
     fi->cache_readdir = 1;
@@ -335,9 +349,8 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   } else if (writing && !(n->mode & 0200)) {
     fuse_reply_err(req, EACCES);
   } else {
-    auto* handle = new Handle{tree, n, ""};
-    if (n->live) handle->snapshot = Get(req).StatusText();
-    fi->fh = reinterpret_cast<uint64_t>(handle);
+    fi->fh = reinterpret_cast<uint64_t>(
+        new Handle(tree, n, n->live ? Get(req).StatusText() : ""));
     if (Volatile(*n)) {
       fi->direct_io = 1;
     } else {
@@ -449,7 +462,6 @@ void Materialize(Server& s, const ParallelConfig& target,
   };
   absl::StatusOr<Materialization> m =
       Materialization::Write(*s.store, target, options);
-  std::vector<std::string> names;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (cancel.load()) return;  // superseded: the newer worker reports
@@ -457,14 +469,16 @@ void Materialize(Server& s, const ParallelConfig& target,
     absl::Status result = m.status();
     if (result.ok() && m->steps() > 0) {
       result = m->Commit(*s.store);
-      absl::StatusOr<std::unique_ptr<Tree>> next = absl::InternalError("");
+      absl::StatusOr<std::unique_ptr<Tree>> same = absl::InternalError("");
       if (result.ok()) {
-        next = Tree::Build(*s.store, target, s.current->generation() + 1);
-        result = next.status();
+        // The same views, now read from the new blobs: the generation and
+        // its inodes stay, so the kernel's caches stay valid.
+        same = Tree::Rebuild(*s.store, *s.current);
+        result = same.status();
       }
       if (result.ok()) {
-        Switch(s, std::shared_ptr<const Tree>(std::move(*next)));
-        names = RootNames(s);
+        s.current = std::shared_ptr<const Tree>(std::move(*same));
+        s.trees[s.current->generation()] = s.current;
       }
     }
     if (result.ok()) {
@@ -475,10 +489,6 @@ void Materialize(Server& s, const ParallelConfig& target,
       s.error = absl::StrCat("materialization of ", target.ToString(),
                              " failed: ", result.message());
     }
-  }
-  if (!names.empty()) {
-    InvalidateRoot(s, std::move(names));
-    ReapOldTrees(s);
   }
 }
 

@@ -160,7 +160,20 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
     tree->tensor_starts_.push_back(std::move(starts));
   }
   tree->SortChildren();
-  tree->lookups_.reset(new std::atomic<uint64_t>[tree->nodes_.size()]());
+  tree->counts_ = std::make_shared<Counts>(tree->nodes_.size());
+  return tree;
+}
+
+absl::StatusOr<std::unique_ptr<Tree>> Tree::Rebuild(const Store& store,
+                                                    const Tree& same) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Tree> tree,
+                   Build(store, same.config_, same.generation_));
+  if (tree->nodes_.size() != same.nodes_.size()) {
+    return absl::InternalError(absl::StrCat(
+        "the tree of generation ", same.generation_, " rebuilt has ",
+        tree->nodes_.size(), " nodes, not ", same.nodes_.size()));
+  }
+  tree->counts_ = same.counts_;
   return tree;
 }
 
@@ -180,32 +193,40 @@ std::optional<size_t> Tree::IndexOf(uint64_t ino) const {
 void Tree::CountLookup(uint64_t ino) const {
   std::optional<size_t> i = IndexOf(ino);
   if (!i) return;
-  lookups_[*i].fetch_add(1);
-  total_lookups_.fetch_add(1);
+  counts_->lookups[*i].fetch_add(1);
+  counts_->total_lookups.fetch_add(1);
 }
 
 void Tree::Forget(uint64_t ino, uint64_t n) const {
   std::optional<size_t> i = IndexOf(ino);
   if (!i) return;
   // The kernel never forgets more than it was given; clamp all the same.
-  uint64_t have = lookups_[*i].load();
-  while (!lookups_[*i].compare_exchange_weak(have, have - std::min(have, n))) {
+  std::atomic<uint64_t>& count = counts_->lookups[*i];
+  uint64_t have = count.load();
+  while (!count.compare_exchange_weak(have, have - std::min(have, n))) {
   }
-  total_lookups_.fetch_sub(std::min(have, n));
+  counts_->total_lookups.fetch_sub(std::min(have, n));
 }
 
-std::vector<const Node*> Tree::ReferencedDeepestFirst() const {
+void Tree::CountOpen(uint64_t ino, int delta) const {
+  std::optional<size_t> i = IndexOf(ino);
+  if (i) counts_->opens[*i].fetch_add(delta);
+}
+
+std::vector<const Node*> Tree::UnopenedReferencesDeepestFirst() const {
   // A child is always added after its parent: reverse order puts it first.
   std::vector<const Node*> out;
   for (size_t i = nodes_.size(); i-- > 1;) {
-    if (lookups_[i].load() > 0) out.push_back(&nodes_[i]);
+    if (counts_->lookups[i].load() > 0 && counts_->opens[i].load() == 0) {
+      out.push_back(&nodes_[i]);
+    }
   }
   return out;
 }
 
 uint64_t Tree::lookups(uint64_t ino) const {
   std::optional<size_t> i = IndexOf(ino);
-  return i ? lookups_[*i].load() : 0;
+  return i ? counts_->lookups[*i].load() : 0;
 }
 
 const Node* Tree::Get(uint64_t ino) const {

@@ -59,6 +59,12 @@ class Tree {
   static absl::StatusOr<std::unique_ptr<Tree>> Build(
       const Store& store, const ParallelConfig& config,
       uint64_t generation = 1);
+  // The same tree built again from the store's current records (after a
+  // materialization re-pointed them at new blobs): the same generation, nodes
+  // and inode numbers, and the kernel's references shared with `same`, so
+  // that it can take `same`'s place without the kernel noticing.
+  static absl::StatusOr<std::unique_ptr<Tree>> Rebuild(const Store& store,
+                                                       const Tree& same);
 
   const ParallelConfig& config() const { return config_; }
   const Node* Get(uint64_t ino) const;
@@ -74,9 +80,12 @@ class Tree {
   void CountLookup(uint64_t ino) const;
   void Forget(uint64_t ino, uint64_t n) const;
   uint64_t lookups(uint64_t ino) const;
-  uint64_t total_lookups() const { return total_lookups_.load(); }
-  // The nodes the kernel holds, each after everything below it.
-  std::vector<const Node*> ReferencedDeepestFirst() const;
+  uint64_t total_lookups() const { return counts_->total_lookups.load(); }
+  // Open handles of a node: +1 at open, -1 at release.
+  void CountOpen(uint64_t ino, int delta) const;
+  // The nodes the kernel holds and no handle has open, each after everything
+  // below it: what may be reported deleted once the tree is replaced.
+  std::vector<const Node*> UnopenedReferencesDeepestFirst() const;
 
  private:
   Tree() = default;
@@ -90,9 +99,17 @@ class Tree {
   ParallelConfig config_;
   uint64_t generation_ = 1;
   std::vector<Node> nodes_;  // by index; see InoOf
-  // Counted from the FUSE threads; atomics, so no lock.
-  std::unique_ptr<std::atomic<uint64_t>[]> lookups_;
-  mutable std::atomic<uint64_t> total_lookups_{0};
+  // Counted from the FUSE threads; atomics, so no lock. Shared by the trees
+  // of one generation (Rebuild).
+  struct Counts {
+    explicit Counts(size_t nodes)
+        : lookups(new std::atomic<uint64_t>[nodes]()),
+          opens(new std::atomic<int64_t>[nodes]()) {}
+    std::unique_ptr<std::atomic<uint64_t>[]> lookups;
+    std::unique_ptr<std::atomic<int64_t>[]> opens;
+    std::atomic<uint64_t> total_lookups{0};
+  };
+  std::shared_ptr<Counts> counts_;
   std::vector<std::unique_ptr<StepView>> views_;
   // Start of each tensor in a group's model.safetensors data: [view][group].
   std::vector<std::vector<std::vector<int64_t>>> tensor_starts_;

@@ -56,8 +56,8 @@ def switch(mnt, config):
     t1 = time.perf_counter()
     while True:
         s = read_json(f"{mnt}/status")
-        # The switch makes one generation, the end of materialization another.
-        if s["state"] == "ready" and s["generation"] >= before + 2:
+        # The switch makes a new generation and marks it materializing at once.
+        if s["state"] == "ready" and s["generation"] > before:
             break
         time.sleep(0.002)
     t2 = time.perf_counter()

@@ -176,5 +176,27 @@ TEST_F(TreeTest, LookupsAreCountedAndForgotten) {
   EXPECT_EQ(tree->Get((uint64_t{8} << 32) | 2), nullptr);
 }
 
+TEST_F(TreeTest, RebuiltTreeKeepsInodesAndSharesTheKernelsReferences) {
+  auto tree =
+      *Tree::Build(*store_, *ParallelConfig::Parse("tp=1,pp=1,dp=1"), 4);
+  const Node* file = Walk(*tree, {"ckpt", "latest"});
+  tree->CountLookup(file->ino);
+  auto again = Tree::Rebuild(*store_, *tree);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)->generation(), 4u);
+  const Node* same = Walk(**again, {"ckpt", "latest"});
+  EXPECT_EQ(same->ino, file->ino);
+  EXPECT_EQ((*again)->lookups(same->ino), 1u);
+  (*again)->Forget(same->ino, 1);
+  EXPECT_EQ(tree->total_lookups(), 0u);
+  // Only nodes the kernel holds and nobody has open may be reported deleted.
+  tree->CountLookup(file->ino);
+  EXPECT_EQ(tree->UnopenedReferencesDeepestFirst().size(), 1u);
+  (*again)->CountOpen(file->ino, +1);
+  EXPECT_TRUE(tree->UnopenedReferencesDeepestFirst().empty());
+  (*again)->CountOpen(file->ino, -1);
+  EXPECT_EQ(tree->UnopenedReferencesDeepestFirst().size(), 1u);
+}
+
 }  // namespace
 }  // namespace scalai

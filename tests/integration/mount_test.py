@@ -250,7 +250,6 @@ def check_reconfigure(mnt, full):
             p = subprocess.run(f"echo {config} > {mnt}/config", shell=True, executable="/bin/bash")
             assert p.returncode == 0, config
             status = json.load(open(f"{mnt}/status"))
-            # A switch starts a new generation, and so does its materialization's end.
             assert status["generation"] > generation, (generation, status)
             generation = status["generation"]
             assert (status["config"], status["error"]) == (config, None), status

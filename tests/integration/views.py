@@ -26,7 +26,8 @@ def check_bytes(mnt, full, config, layers, divisor):
     """Every rank's model.safetensors and tensors/ files against slicing."""
     want = expected(full, config, layers, divisor)
     step = f"{mnt}/ckpt/latest"
-    assert sorted(os.listdir(step)) == [f"rank-{r:05d}" for r in sorted(want)], config
+    ranks = sorted(os.listdir(step))
+    assert ranks == [f"rank-{r:05d}" for r in sorted(want)], (config, ranks)
     for rank, tensors in want.items():
         got, meta = read_safetensors(f"{step}/rank-{rank:05d}/model.safetensors")
         assert meta["scalai.config"] == config, (config, meta)
