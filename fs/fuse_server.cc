@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -66,8 +67,10 @@ struct Server {
   }
 
   // Lets go of an old tree once the kernel names none of its inodes: no
-  // lookup is left, so no file of it is open either. Its blobs' mappings
-  // close with it. Requires mu.
+  // lookup is left, so no file of it is open either. Requires mu. The
+  // caller holds `tree` until it has unlocked: the last reference closes
+  // the tree's blob mappings, and for blobs already unlinked that is when
+  // the filesystem frees their space, which is slow.
   void RetireIfUnused(const std::shared_ptr<const Tree>& tree) {
     if (tree != nullptr && tree != current && tree->total_lookups() == 0) {
       trees.erase(tree->generation());
@@ -364,7 +367,8 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
 
 void OnRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
   Server& s = Get(req);
-  const bool old = HandleOf(fi)->tree != s.TreeOf(kRootIno);
+  const bool old =
+      HandleOf(fi)->tree->generation() < s.TreeOf(kRootIno)->generation();
   delete HandleOf(fi);
   fuse_reply_err(req, 0);
   if (old) ReapOldTrees(s);
@@ -436,8 +440,10 @@ void InvalidateRoot(Server& s, std::vector<std::string> names) {
 }
 
 // Makes `tree` the one new opens see. Requires mu. The tree it replaces
-// stays: a lookup in the root may be on its way to it right now.
-void Switch(Server& s, std::shared_ptr<const Tree> tree) {
+// stays: a lookup in the root may be on its way to it right now. Returns the
+// older trees, for the caller to drop once it has unlocked.
+std::vector<std::shared_ptr<const Tree>> Switch(
+    Server& s, std::shared_ptr<const Tree> tree) {
   const uint64_t replaced = s.current->generation();
   s.trees[tree->generation()] = tree;
   s.current = std::move(tree);
@@ -446,6 +452,7 @@ void Switch(Server& s, std::shared_ptr<const Tree> tree) {
     if (generation < replaced) older.push_back(t);
   }
   for (const auto& t : older) s.RetireIfUnused(t);
+  return older;
 }
 
 // Writes the current config's shards into new blobs, commits them and
@@ -462,6 +469,8 @@ void Materialize(Server& s, const ParallelConfig& target,
   };
   absl::StatusOr<Materialization> m =
       Materialization::Write(*s.store, target, options);
+  // Dropped after unlocking (see RetireIfUnused).
+  std::shared_ptr<const Tree> replaced;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (cancel.load()) return;  // superseded: the newer worker reports
@@ -477,7 +486,8 @@ void Materialize(Server& s, const ParallelConfig& target,
         result = same.status();
       }
       if (result.ok()) {
-        s.current = std::shared_ptr<const Tree>(std::move(*same));
+        replaced = std::exchange(s.current,
+                                 std::shared_ptr<const Tree>(std::move(*same)));
         s.trees[s.current->generation()] = s.current;
       }
     }
@@ -530,6 +540,7 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
     return;
   }
   (void)ino;
+  std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
   absl::Status result = [&]() -> absl::Status {
     if (offset != 0) {
       return absl::InvalidArgumentError(
@@ -545,7 +556,7 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
     batch.Put(Table::kMeta, "config", config->ToString());
     absl::Status committed = s.store->catalog().Commit(batch);
     if (!committed.ok()) return committed;
-    Switch(s, std::shared_ptr<const Tree>(std::move(*next)));
+    retired = Switch(s, std::shared_ptr<const Tree>(std::move(*next)));
     StartMaterialization(s);
     return absl::OkStatus();
   }();
@@ -623,7 +634,9 @@ absl::Status ServeMount(Store& store, std::unique_ptr<Tree> tree,
   }
   absl::Cleanup stop = [&server] {
     StopMaterialization(server);
-    while (server.notifying.load() > 0) std::this_thread::yield();
+    while (server.notifying.load() > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
   };
   fuse_loop_config* config = fuse_loop_cfg_create();
   fuse_loop_cfg_set_max_threads(config, 16);

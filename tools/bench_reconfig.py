@@ -35,7 +35,18 @@ def scalai(*args):
     return subprocess.run([SCALAI, *args], check=True, capture_output=True, text=True).stdout
 
 
-def settle():
+def settle(server=None):
+    """Lets the disk go quiet before a timed step: the blobs a materialization
+    freed are released once the mount's old trees go (this root filesystem
+    is mounted with `discard`, so freeing 2 GiB costs disk time too), then
+    everything is synced, then a pause for the disk's own write-back."""
+    deadline = time.time() + 30
+    while server is not None and time.time() < deadline:
+        fds = f"/proc/{server.pid}/fd"
+        held = [f for f in os.listdir(fds) if "(deleted)" in os.readlink(f"{fds}/{f}")]
+        if not held:
+            break
+        time.sleep(0.1)
     os.sync()
     time.sleep(3)
 
@@ -65,13 +76,13 @@ def switch(mnt, config):
     return t1 - t0, t2 - t0, s["bytes_moved"]
 
 
-def cp_sync(work, nbytes):
+def cp_sync(work, nbytes, server):
     """Seconds for `cp` of nbytes (a file in the page cache) and `sync`."""
     src, dst = f"{work}/ref-src", f"{work}/ref-dst"
     if not os.path.exists(src) or os.path.getsize(src) != nbytes:
         with open(src, "wb") as f:
             f.write(os.urandom(1 << 20) * (nbytes >> 20) + os.urandom(nbytes & ((1 << 20) - 1)))
-    settle()
+    settle(server)
     t0 = time.perf_counter()
     subprocess.run(["cp", src, dst], check=True)
     subprocess.run(["sync"], check=True)
@@ -98,7 +109,9 @@ def main():
         scalai("import", f"{work}/store", f"{work}/ckpt", "--config", A)
         shutil.rmtree(f"{work}/ckpt")
         os.makedirs(mnt)
-        scalai("mount", f"{work}/store", mnt)
+        server = subprocess.Popen([SCALAI, "mount", f"{work}/store", mnt, "--foreground"],
+                                  stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().startswith("mounted")
         job = read_json(f"{mnt}/job.json")
         tensors, size = len(job["model"]["tensors"]), job["model"]["bytes"]
         print(f"model: {tensors} tensors, {size / 2**30:.2f} GiB ({MODEL}, bf16)")
@@ -107,18 +120,19 @@ def main():
         for _ in range(o.rounds):
             for target in (B, A):
                 want = planned(current, target)
-                settle()
+                settle(server)
                 sw, mat, moved = switch(mnt, target)
                 rows["switch"].append(sw)
                 rows["mat"].append((mat, moved))
                 rows["count"].append((current, target, want, moved))
-                rows["ref"].append(cp_sync(work, moved))
+                rows["ref"].append(cp_sync(work, moved, server))
                 current = target
             for target in (DP_ONLY, A):
                 sw, mat, moved = switch(mnt, target)
                 rows["dp"].append((sw, mat, moved))
                 current = target
         scalai("umount", mnt)
+        server.wait(timeout=60)
         fsck = scalai("fsck", f"{work}/store").strip()
 
         ms = [1000 * t for t in rows["switch"]]
