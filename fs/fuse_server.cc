@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <ctime>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -220,6 +221,17 @@ struct Handle {
   const std::string snapshot;
 };
 
+// Runs kernel notifications on a thread of their own: one sent from inside
+// a request handler may deadlock. ServeMount waits for them to end before
+// the session goes.
+void Notify(Server& s, std::function<void()> fn) {
+  s.notifying.fetch_add(1);
+  std::thread([&s, fn = std::move(fn)] {
+    fn();
+    s.notifying.fetch_sub(1);
+  }).detach();
+}
+
 // Path walks that began before a switch get this long to open what they
 // looked up before the old tree's nodes are reported deleted.
 constexpr auto kReapGrace = std::chrono::milliseconds(300);
@@ -238,8 +250,7 @@ void ReapOldTrees(Server& s) {
     }
   }
   if (old.empty()) return;
-  s.notifying.fetch_add(1);
-  std::thread([&s, old = std::move(old)] {
+  Notify(s, [&s, old = std::move(old)] {
     std::this_thread::sleep_for(kReapGrace);
     for (const auto& tree : old) {
       for (const Node* n : tree->UnopenedReferencesDeepestFirst()) {
@@ -247,8 +258,7 @@ void ReapOldTrees(Server& s) {
                                     n->name.c_str(), n->name.size());
       }
     }
-    s.notifying.fetch_sub(1);
-  }).detach();
+  });
 }
 
 Handle* HandleOf(fuse_file_info* fi) {
@@ -425,18 +435,15 @@ std::vector<std::string> RootNames(const Server& s) {
 }
 
 // Tells the kernel to forget the root's entries, so that the next path walk
-// finds the new generation. Runs on its own thread: a notification from
-// inside a request handler may deadlock.
+// finds the new generation.
 void InvalidateRoot(Server& s, std::vector<std::string> names) {
-  s.notifying.fetch_add(1);
-  std::thread([&s, names = std::move(names)] {
+  Notify(s, [&s, names = std::move(names)] {
     for (const std::string& name : names) {
       fuse_lowlevel_notify_inval_entry(s.session, kRootIno, name.c_str(),
                                        name.size());
     }
     fuse_lowlevel_notify_inval_inode(s.session, kRootIno, 0, 0);
-    s.notifying.fetch_sub(1);
-  }).detach();
+  });
 }
 
 // Makes `tree` the one new opens see. Requires mu. The tree it replaces

@@ -147,6 +147,47 @@ int BlobIndex(ShardRecord& record, const std::string& name) {
   return static_cast<int>(record.blobs.size()) - 1;
 }
 
+// Where group `g` of the plan's new placement will lie: each shard that a
+// stored one holds identically stays in that shard's blob (`stored`, per
+// old group); the others are added to `job`, whose header places them.
+absl::StatusOr<ShardRecord> PlanGroup(const ReshardPlan& plan, int g,
+                                      const std::vector<ShardRecord>& stored,
+                                      int64_t step, BlobJob& job) {
+  const Placement& to = plan.to();
+  const std::vector<TensorShard>& shards = to.shards(g);
+  std::vector<SafetensorsEntry> entries;
+  for (size_t k = 0; k < shards.size(); ++k) {
+    if (plan.in_place_source(g, static_cast<int>(k)).valid()) continue;
+    job.shards.push_back(static_cast<int>(k));
+    entries.push_back({shards[k].local_name,
+                       to.model().tensor(shards[k].tensor).dtype,
+                       shards[k].local_shape, 0, 0});
+  }
+  ASSIGN_OR_RETURN(
+      SafetensorsHeader header,
+      SafetensorsHeader::Build(std::move(entries),
+                               {{"scalai.step", absl::StrCat(step)},
+                                {"scalai.config", to.config().ToString()},
+                                {"scalai.group", absl::StrCat(g)}}));
+  job.header = header.Serialize();
+  job.bytes = header.file_size();
+  ShardRecord record;
+  for (size_t k = 0, moved = 0; k < shards.size(); ++k) {
+    ShardRef same = plan.in_place_source(g, static_cast<int>(k));
+    if (same.valid()) {
+      const ShardRecord& src = stored[same.group];
+      const ShardRecord::Location& at = src.tensors[same.shard];
+      record.tensors.push_back(
+          {BlobIndex(record, src.blobs[at.blob]), at.offset});
+    } else {
+      const SafetensorsEntry& e = header.tensors()[moved++];
+      record.tensors.push_back(
+          {BlobIndex(record, job.name), header.data_start() + e.data_begin});
+    }
+  }
+  return record;
+}
+
 }  // namespace
 
 absl::StatusOr<Materialization> Materialization::Write(
@@ -175,39 +216,11 @@ absl::StatusOr<Materialization> Materialization::Write(
     }
     m.bytes_planned_ += plan.Summarize().bytes_to_write;
     for (int g = 0; g < to.num_groups(); ++g) {
-      const std::vector<TensorShard>& shards = to.shards(g);
       BlobJob job{m.steps_.size(), g, Store::NewBlobName(), {}, "", 0};
-      std::vector<SafetensorsEntry> entries;
-      for (size_t k = 0; k < shards.size(); ++k) {
-        update.after.bytes += shards[k].bytes;
-        if (plan.in_place_source(g, static_cast<int>(k)).valid()) continue;
-        job.shards.push_back(static_cast<int>(k));
-        entries.push_back({shards[k].local_name,
-                           to.model().tensor(shards[k].tensor).dtype,
-                           shards[k].local_shape, 0, 0});
-      }
-      ASSIGN_OR_RETURN(
-          SafetensorsHeader header,
-          SafetensorsHeader::Build(std::move(entries),
-                                   {{"scalai.step", absl::StrCat(step.step)},
-                                    {"scalai.config", target},
-                                    {"scalai.group", absl::StrCat(g)}}));
-      job.header = header.Serialize();
-      job.bytes = header.file_size();
-      ShardRecord record;
-      for (size_t k = 0, moved = 0; k < shards.size(); ++k) {
-        ShardRef same = plan.in_place_source(g, static_cast<int>(k));
-        if (same.valid()) {
-          const ShardRecord& src = stored[same.group];
-          const ShardRecord::Location& at = src.tensors[same.shard];
-          record.tensors.push_back(
-              {BlobIndex(record, src.blobs[at.blob]), at.offset});
-        } else {
-          const SafetensorsEntry& e = header.tensors()[moved++];
-          record.tensors.push_back({BlobIndex(record, job.name),
-                                    header.data_start() + e.data_begin});
-        }
-      }
+      ASSIGN_OR_RETURN(ShardRecord record,
+                       PlanGroup(plan, g, stored, step.step, job));
+      for (const TensorShard& shard : to.shards(g))
+        update.after.bytes += shard.bytes;
       if (!job.shards.empty()) jobs.push_back(std::move(job));
       update.shards.push_back(std::move(record));
     }
