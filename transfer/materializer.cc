@@ -19,9 +19,12 @@
 namespace scalai {
 namespace {
 
-// Bytes gathered in memory per write: large enough for sequential disk
-// writes, small enough that every I/O thread may hold one.
-constexpr int64_t kWindowBytes = 8 << 20;
+// Bytes hashed and written at a time: small enough to stay in the CPU's
+// cache between the hash and the write's copy (one pass over memory, not
+// two), large enough that system calls cost nothing next to the copy.
+constexpr int64_t kChunkBytes = 256 << 10;
+// How often the writers look at the cancel flag and report progress.
+constexpr int64_t kProgressBytes = 8 << 20;
 
 // One new blob: the shards of one group of one step that no stored shard
 // holds in place, as a safetensors file of their local names, so that every
@@ -44,28 +47,28 @@ absl::Status CheckCancel(const std::atomic<bool>* cancel) {
 
 // Appends to a new blob, hashing in blob order. Short pieces (rows of a
 // split along dim 1, zero padding) are gathered in a window and written
-// together; long ones go from the source mapping to the file in one write,
-// with no copy in between.
+// together; long ones go from the source mapping to the file, with no copy
+// in between.
 class BlobWriter {
  public:
   BlobWriter(UniqueFd out, std::string path)
       : out_(std::move(out)),
         path_(std::move(path)),
-        window_(new char[kWindowBytes]),
+        window_(new char[kChunkBytes]),
         state_(XXH3_createState()) {
     XXH3_64bits_reset(state_);
   }
   ~BlobWriter() { XXH3_freeState(state_); }
 
   absl::Status Append(const char* data, int64_t n) {
-    if (n >= kDirectBytes) {
+    if (n >= kChunkBytes) {
       RETURN_IF_ERROR(Flush());
-      XXH3_64bits_update(state_, data, n);
-      RETURN_IF_ERROR(WriteAll(out_.get(), data, n, path_));
-      StartWriteback(out_.get());
+      for (int64_t at = 0; at < n; at += kChunkBytes) {
+        RETURN_IF_ERROR(HashAndWrite(data + at, std::min(kChunkBytes, n - at)));
+      }
       return absl::OkStatus();
     }
-    if (used_ + n > kWindowBytes) RETURN_IF_ERROR(Flush());
+    if (used_ + n > kChunkBytes) RETURN_IF_ERROR(Flush());
     std::memcpy(window_.get() + used_, data, n);
     used_ += n;
     return absl::OkStatus();
@@ -73,8 +76,8 @@ class BlobWriter {
 
   absl::Status AppendZeros(int64_t n) {
     while (n > 0) {
-      if (used_ == kWindowBytes) RETURN_IF_ERROR(Flush());
-      const int64_t k = std::min(n, kWindowBytes - used_);
+      if (used_ == kChunkBytes) RETURN_IF_ERROR(Flush());
+      const int64_t k = std::min(n, kChunkBytes - used_);
       std::memset(window_.get() + used_, 0, k);
       used_ += k;
       n -= k;
@@ -84,9 +87,7 @@ class BlobWriter {
 
   absl::Status Flush() {
     if (used_ == 0) return absl::OkStatus();
-    XXH3_64bits_update(state_, window_.get(), used_);
-    RETURN_IF_ERROR(WriteAll(out_.get(), window_.get(), used_, path_));
-    StartWriteback(out_.get());
+    RETURN_IF_ERROR(HashAndWrite(window_.get(), used_));
     used_ = 0;
     return absl::OkStatus();
   }
@@ -94,12 +95,23 @@ class BlobWriter {
   uint64_t digest() const { return XXH3_64bits_digest(state_); }
 
  private:
-  // Pieces this long are written straight from their source.
-  static constexpr int64_t kDirectBytes = 256 << 10;
+  absl::Status HashAndWrite(const char* data, int64_t n) {
+    XXH3_64bits_update(state_, data, n);
+    RETURN_IF_ERROR(WriteAll(out_.get(), data, n, path_));
+    written_ += n;
+    if (written_ - started_ >= kProgressBytes) {
+      StartWriteback(out_.get());
+      started_ = written_;
+    }
+    return absl::OkStatus();
+  }
+
   UniqueFd out_;
   std::string path_;
   std::unique_ptr<char[]> window_;
   int64_t used_ = 0;
+  int64_t written_ = 0;
+  int64_t started_ = 0;  // written_ when write-back was last started
   XXH3_state_t* state_;
 };
 
@@ -126,7 +138,7 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
         RETURN_IF_ERROR(writer.AppendZeros(seg.length));
       }
       since_check += seg.length;
-      if (since_check >= kWindowBytes) {
+      if (since_check >= kProgressBytes) {
         RETURN_IF_ERROR(CheckCancel(cancel));
         progress.Add(since_check);
         since_check = 0;
