@@ -63,7 +63,7 @@ struct Server {
   std::shared_ptr<const Tree> TreeOf(uint64_t ino) {
     std::lock_guard<std::mutex> lock(mu);
     if (ino == kRootIno) return current;
-    auto it = trees.find(ino >> 32);
+    auto it = trees.find(Tree::GenerationOf(ino));
     return it == trees.end() ? nullptr : it->second;
   }
 
@@ -118,12 +118,13 @@ int ToErrno(const absl::Status& s) {
   }
 }
 
-struct stat Attr(Server& s, const Node& n) {
+struct stat Attr(Server& s, const Tree& tree, const Node& n) {
   struct stat st = {};
   st.st_ino = n.ino;
   st.st_uid = s.uid;
   st.st_gid = s.gid;
-  st.st_size = n.live ? static_cast<off_t>(s.StatusText().size()) : n.size;
+  st.st_size =
+      n.live ? static_cast<off_t>(s.StatusText().size()) : tree.SizeOf(n);
   st.st_blksize = kMaxIo;
   st.st_blocks = (st.st_size + 511) / 512;
   st.st_atim = st.st_mtim = st.st_ctim = s.start;
@@ -161,24 +162,36 @@ fuse_entry_param Entry(Server& s, const Tree& tree, const Node& n) {
   fuse_entry_param e = {};
   e.ino = n.ino;
   e.generation = tree.generation();
-  e.attr = Attr(s, n);
+  e.attr = Attr(s, tree, n);
   e.attr_timeout = AttrTimeout(n);
   // Root entries change with the generation; deeper ones never do.
   e.entry_timeout = n.parent == kRootIno ? 0 : kCacheSeconds;
   return e;
 }
 
+// Reads of a dataset whose source file changed fail; `status` says which.
+void ReportDataLoss(Server& s, const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kDataLoss) return;
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.error = std::string(status.message());
+}
+
 void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Server& s = Get(req);
   std::shared_ptr<const Tree> tree = s.TreeOf(parent);
-  const Node* n = tree ? tree->Lookup(parent, name) : nullptr;
-  if (n == nullptr) {
+  absl::StatusOr<const Node*> n =
+      tree ? tree->Enter(parent, name) : absl::StatusOr<const Node*>(nullptr);
+  if (!n.ok()) {
+    ReportDataLoss(s, n.status());
+    fuse_reply_err(req, ToErrno(n.status()));
+    return;
+  }
+  if (*n == nullptr) {
     fuse_reply_err(req, ENOENT);
     return;
   }
-  fuse_entry_param e = Entry(s, *tree, *n);
-  tree->CountLookup(n->ino);
-  if (fuse_reply_entry(req, &e) != 0) tree->Forget(n->ino, 1);
+  fuse_entry_param e = Entry(s, *tree, **n);
+  if (fuse_reply_entry(req, &e) != 0) tree->Forget((*n)->ino, 1);
 }
 
 void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
@@ -189,7 +202,7 @@ void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
     fuse_reply_err(req, ENOENT);
     return;
   }
-  struct stat st = Attr(s, *n);
+  struct stat st = Attr(s, *tree, *n);
   fuse_reply_attr(req, &st, AttrTimeout(*n));
 }
 
@@ -253,9 +266,9 @@ void ReapOldTrees(Server& s) {
   Notify(s, [&s, old = std::move(old)] {
     std::this_thread::sleep_for(kReapGrace);
     for (const auto& tree : old) {
-      for (const Node* n : tree->UnopenedReferencesDeepestFirst()) {
-        fuse_lowlevel_notify_delete(s.session, n->parent, n->ino,
-                                    n->name.c_str(), n->name.size());
+      for (const NodeRef& n : tree->UnopenedReferencesDeepestFirst()) {
+        fuse_lowlevel_notify_delete(s.session, n.parent, n.ino, n.name.c_str(),
+                                    n.name.size());
       }
     }
   });
@@ -295,27 +308,34 @@ void ReplyDir(fuse_req_t req, size_t size, off_t offset, fuse_file_info* fi,
   const Node* dir = HandleOf(fi)->node;
   std::vector<char> buf(size);
   size_t used = 0;
-  const off_t total = 2 + static_cast<off_t>(dir->children.size());
+  const off_t total = 2 + tree.EntryCount(*dir);
   for (off_t i = offset; i < total; ++i) {
     fuse_entry_param e = {};
-    const char* name;
+    DirEntry entry;
     if (i < 2) {
-      name = i == 0 ? "." : "..";
+      entry.name = i == 0 ? "." : "..";
       const Node* n = i == 0 || dir->parent == 0 ? dir : tree.Get(dir->parent);
-      e.attr = Attr(s, *n);
+      e.attr = Attr(s, tree, *n);
       // "." and ".." are not looked up by the kernel: no entry to count.
     } else {
-      const Node* child = tree.Get(dir->children[i - 2]);
-      name = child->name.c_str();
-      e = Entry(s, tree, *child);
+      entry = tree.EntryAt(*dir, i - 2);
+      if (entry.node != nullptr) {
+        e = Entry(s, tree, *entry.node);
+      } else {
+        // A sample: named with its inode number but no entry (ino 0), so
+        // that listing samples/ makes no nodes; a later lookup makes one.
+        e.attr.st_ino = entry.ino;
+        e.attr.st_mode = S_IFREG | 0444;
+      }
     }
-    size_t n = plus ? fuse_add_direntry_plus(req, buf.data() + used,
-                                             size - used, name, &e, i + 1)
-                    : fuse_add_direntry(req, buf.data() + used, size - used,
-                                        name, &e.attr, i + 1);
+    size_t n = plus
+                   ? fuse_add_direntry_plus(req, buf.data() + used, size - used,
+                                            entry.name.c_str(), &e, i + 1)
+                   : fuse_add_direntry(req, buf.data() + used, size - used,
+                                       entry.name.c_str(), &e.attr, i + 1);
     if (n > size - used) break;
     used += n;
-    if (plus && i >= 2) tree.CountLookup(e.ino);
+    if (plus && i >= 2 && e.ino != 0) tree.CountLookup(e.ino);
   }
   fuse_reply_buf(req, buf.data(), used);
 }
@@ -397,6 +417,7 @@ void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
   absl::StatusOr<int64_t> got =
       h.tree->Read(*h.node, offset, static_cast<int64_t>(size), buf.get());
   if (!got.ok()) {
+    ReportDataLoss(Get(req), got.status());
     fuse_reply_err(req, ToErrno(got.status()));
     return;
   }
@@ -421,7 +442,7 @@ void OnSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
     fuse_reply_err(req, EACCES);
     return;
   }
-  struct stat st = Attr(s, *n);
+  struct stat st = Attr(s, *tree, *n);
   fuse_reply_attr(req, &st, 0);
 }
 
@@ -557,6 +578,10 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
     if (!config.ok()) return config.status();
     std::lock_guard<std::mutex> lock(s.mu);
     if (*config == s.current->config()) return absl::OkStatus();
+    if (s.current->generation() >= Tree::kMaxGeneration) {
+      return absl::ResourceExhaustedError(
+          "this mount has run out of generations: unmount and mount again");
+    }
     auto next = Tree::Build(*s.store, *config, s.current->generation() + 1);
     if (!next.ok()) return next.status();
     Catalog::Batch batch;

@@ -1,6 +1,7 @@
 #include "fs/tree.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -8,6 +9,7 @@
 #include "nlohmann/json.hpp"
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
+#include "transfer/dataset_source.h"
 
 namespace scalai {
 namespace {
@@ -74,9 +76,11 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
       {"steps", json::array()},      {"datasets", json::array()}};
   if (store.model() != nullptr) job["model"] = ModelSummary(store);
   for (const StepRecord& s : steps) job["steps"].push_back(s.step);
-  add_text(kRootIno, "job.json", job.dump(2) + "\n");
+  Node& job_file = add_text(kRootIno, "job.json", "");
+  const uint64_t job_ino = job_file.ino;
   const uint64_t ckpt = tree->Add(kRootIno, "ckpt", NodeKind::kDir, 0555).ino;
-  tree->Add(kRootIno, "data", NodeKind::kDir, 0555);
+  const uint64_t data = tree->Add(kRootIno, "data", NodeKind::kDir, 0555).ino;
+  RETURN_IF_ERROR(tree->AddDatasets(store, steps, data, job));
   if (!steps.empty()) {
     Node& latest = tree->Add(ckpt, "latest", NodeKind::kSymlink, 0777);
     latest.text = StepName(steps.back().step);
@@ -159,9 +163,151 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
     tree->views_.push_back(std::move(view));
     tree->tensor_starts_.push_back(std::move(starts));
   }
+  Node& job_node = tree->nodes_[*tree->IndexOf(job_ino)];
+  job_node.text = job.dump(2) + "\n";
+  job_node.size = static_cast<int64_t>(job_node.text.size());
   tree->SortChildren();
+  RETURN_IF_ERROR(tree->NumberSamples());
   tree->counts_ = std::make_shared<Counts>(tree->nodes_.size());
   return tree;
+}
+
+absl::Status Tree::AddDatasets(const Store& store,
+                               const std::vector<StepRecord>& steps,
+                               uint64_t data_dir, json& job) {
+  auto add_text = [&](uint64_t parent, std::string name, const json& j) {
+    Node& n = Add(parent, std::move(name), NodeKind::kFile, 0444);
+    n.text = j.dump(2) + "\n";
+    n.size = static_cast<int64_t>(n.text.size());
+  };
+  ASSIGN_OR_RETURN(auto records, store.Datasets());
+  for (const auto& [name, record] : records) {
+    ASSIGN_OR_RETURN(std::shared_ptr<const DatasetSource> source,
+                     DatasetSource::Open(store, name, record));
+    // SPEC "Dataset position": where the newest committed step left off.
+    int64_t position = 0;
+    if (!steps.empty()) {
+      const StepRecord& newest = steps.back();
+      const int64_t b = record.global_batch;
+      position = newest.consumed_samples.value_or(
+          newest.step > INT64_MAX / b ? INT64_MAX / b * b : newest.step * b);
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<DatasetView> view,
+                     DatasetView::Create(source, config_.dp(), position));
+    const int index = static_cast<int>(datasets_.size());
+    const DatasetOrder& order = view->order();
+    const uint64_t dir = Add(data_dir, name, NodeKind::kDir, 0555).ino;
+    json summary = {{"format", record.format},
+                    {"samples", record.samples},
+                    {"seed", record.seed},
+                    {"epochs", record.epochs},
+                    {"global_batch", record.global_batch},
+                    {"position", view->start()},
+                    {"positions", order.total_positions()},
+                    {"batches_per_epoch", order.batches_per_epoch()},
+                    {"dropped_per_epoch", order.dropped_per_epoch()},
+                    {"dp", config_.dp()}};
+    add_text(dir, "dataset.json", summary);
+    summary["name"] = name;
+    job["datasets"].push_back(summary);
+    Dataset dataset;
+    for (int d = 0; d < config_.dp(); ++d) {
+      const int64_t samples = view->RankSamples(d);
+      const uint64_t rank_dir =
+          Add(dir, absl::StrFormat("rank-%05d", d), NodeKind::kDir, 0555).ino;
+      add_text(rank_dir, "rank.json",
+               {{"dp_rank", d},
+                {"dp", config_.dp()},
+                {"samples", samples},
+                {"first_position",
+                 samples > 0 ? view->RankPosition(d, 0) : view->start()}});
+      Node& ids = Add(rank_dir, "sample-ids.u64", NodeKind::kFile, 0444);
+      ids.size = 8 * samples;
+      ids.data = DataFile::kSampleIds;
+      Node& samples_dir = Add(rank_dir, "samples", NodeKind::kDir, 0555);
+      samples_dir.data = DataFile::kSamplesDir;
+      dataset.samples_dirs.push_back(samples_dir.ino);
+      if (source->jsonl()) {
+        Add(rank_dir, "samples.jsonl", NodeKind::kFile, 0444).data =
+            DataFile::kStream;
+      }
+      for (size_t i = nodes_.size(); i-- > 0 && nodes_[i].parent == rank_dir;) {
+        nodes_[i].dataset = index;
+        nodes_[i].dp_rank = d;
+      }
+    }
+    dataset.view = std::move(view);
+    datasets_.push_back(std::move(dataset));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Tree::NumberSamples() {
+  const uint64_t limit = (uint64_t{1} << kIndexBits) - nodes_.size();
+  uint64_t base = 0;
+  for (Dataset& d : datasets_) {
+    d.ino_base = base;
+    base += d.view->order().total_positions() - d.view->start();
+    if (base >= limit) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "dataset ", d.view->source().name(), ": more positions than the ",
+          "mount can number (2^", kIndexBits, " for all datasets)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+uint64_t Tree::SampleIno(const Node& samples_dir, int64_t k) const {
+  const Dataset& d = datasets_[samples_dir.dataset];
+  const int64_t position = d.view->RankPosition(samples_dir.dp_rank, k);
+  return InoOf(nodes_.size() + d.ino_base + (position - d.view->start()));
+}
+
+absl::StatusOr<const Node*> Tree::LookupSample(const Node& samples_dir,
+                                               absl::string_view name,
+                                               bool count) const {
+  // One name per file: decimal, no sign, no leading zeros.
+  int64_t k = -1;
+  auto [end, ec] = std::from_chars(name.data(), name.data() + name.size(), k);
+  if (ec != std::errc() || end != name.data() + name.size() || k < 0 ||
+      (name.size() > 1 && name[0] == '0')) {
+    return nullptr;
+  }
+  const DatasetView& view = *datasets_[samples_dir.dataset].view;
+  if (k >= view.RankSamples(samples_dir.dp_rank)) return nullptr;
+  const uint64_t ino = SampleIno(samples_dir, k);
+  {
+    std::lock_guard<std::mutex> lock(counts_->samples_mu);
+    auto it = counts_->samples.find(ino);
+    if (it != counts_->samples.end()) {
+      if (count) {
+        ++it->second.lookups;
+        counts_->total_lookups.fetch_add(1);
+      }
+      return it->second.node.get();
+    }
+  }
+  // Sized outside the lock: a Megatron sample's size is read from its .idx.
+  ASSIGN_OR_RETURN(int64_t bytes, view.SampleBytes(samples_dir.dp_rank, k));
+  auto node = std::make_unique<Node>();
+  node->ino = ino;
+  node->parent = samples_dir.ino;
+  node->name = std::string(name);
+  node->kind = NodeKind::kFile;
+  node->mode = 0444;
+  node->size = bytes;
+  node->data = DataFile::kSample;
+  node->dataset = samples_dir.dataset;
+  node->dp_rank = samples_dir.dp_rank;
+  node->sample = k;
+  std::lock_guard<std::mutex> lock(counts_->samples_mu);
+  Counts::Sample& entry = counts_->samples[ino];
+  if (entry.node == nullptr) entry.node = std::move(node);
+  if (count) {
+    ++entry.lookups;
+    counts_->total_lookups.fetch_add(1);
+  }
+  return entry.node.get();
 }
 
 absl::StatusOr<std::unique_ptr<Tree>> Tree::Rebuild(const Store& store,
@@ -177,14 +323,15 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Rebuild(const Store& store,
   return tree;
 }
 
-uint64_t Tree::InoOf(size_t index) const {
-  return index == 0 ? kRootIno : (generation_ << 32) | index;
+uint64_t Tree::InoOf(uint64_t index) const {
+  return index == 0 ? kRootIno : (generation_ << kIndexBits) | index;
 }
 
 std::optional<size_t> Tree::IndexOf(uint64_t ino) const {
   if (ino == kRootIno) return 0;
-  const size_t index = ino & 0xffffffffu;
-  if ((ino >> 32) != generation_ || index == 0 || index >= nodes_.size()) {
+  const uint64_t index = ino & ((uint64_t{1} << kIndexBits) - 1);
+  if (GenerationOf(ino) != generation_ || index == 0 ||
+      index >= nodes_.size()) {
     return std::nullopt;
   }
   return index;
@@ -192,33 +339,67 @@ std::optional<size_t> Tree::IndexOf(uint64_t ino) const {
 
 void Tree::CountLookup(uint64_t ino) const {
   std::optional<size_t> i = IndexOf(ino);
-  if (!i) return;
-  counts_->lookups[*i].fetch_add(1);
+  if (i) {
+    counts_->lookups[*i].fetch_add(1);
+    counts_->total_lookups.fetch_add(1);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(counts_->samples_mu);
+  auto it = counts_->samples.find(ino);
+  if (it == counts_->samples.end()) return;
+  ++it->second.lookups;
   counts_->total_lookups.fetch_add(1);
 }
 
 void Tree::Forget(uint64_t ino, uint64_t n) const {
   std::optional<size_t> i = IndexOf(ino);
-  if (!i) return;
-  // The kernel never forgets more than it was given; clamp all the same.
-  std::atomic<uint64_t>& count = counts_->lookups[*i];
-  uint64_t have = count.load();
-  while (!count.compare_exchange_weak(have, have - std::min(have, n))) {
+  if (i) {
+    // The kernel never forgets more than it was given; clamp all the same.
+    std::atomic<uint64_t>& count = counts_->lookups[*i];
+    uint64_t have = count.load();
+    while (!count.compare_exchange_weak(have, have - std::min(have, n))) {
+    }
+    counts_->total_lookups.fetch_sub(std::min(have, n));
+    return;
   }
-  counts_->total_lookups.fetch_sub(std::min(have, n));
+  std::lock_guard<std::mutex> lock(counts_->samples_mu);
+  auto it = counts_->samples.find(ino);
+  if (it == counts_->samples.end()) return;
+  const uint64_t dropped = std::min(it->second.lookups, n);
+  it->second.lookups -= dropped;
+  counts_->total_lookups.fetch_sub(dropped);
+  if (it->second.lookups == 0 && it->second.opens == 0)
+    counts_->samples.erase(it);
 }
 
 void Tree::CountOpen(uint64_t ino, int delta) const {
   std::optional<size_t> i = IndexOf(ino);
-  if (i) counts_->opens[*i].fetch_add(delta);
+  if (i) {
+    counts_->opens[*i].fetch_add(delta);
+    return;
+  }
+  std::lock_guard<std::mutex> lock(counts_->samples_mu);
+  auto it = counts_->samples.find(ino);
+  if (it == counts_->samples.end()) return;
+  it->second.opens += delta;
+  if (it->second.lookups == 0 && it->second.opens == 0)
+    counts_->samples.erase(it);
 }
 
-std::vector<const Node*> Tree::UnopenedReferencesDeepestFirst() const {
+std::vector<NodeRef> Tree::UnopenedReferencesDeepestFirst() const {
+  std::vector<NodeRef> out;
+  {
+    std::lock_guard<std::mutex> lock(counts_->samples_mu);
+    for (const auto& [ino, sample] : counts_->samples) {
+      if (sample.lookups > 0 && sample.opens == 0) {
+        out.push_back({sample.node->parent, ino, sample.node->name});
+      }
+    }
+  }
   // A child is always added after its parent: reverse order puts it first.
-  std::vector<const Node*> out;
   for (size_t i = nodes_.size(); i-- > 1;) {
     if (counts_->lookups[i].load() > 0 && counts_->opens[i].load() == 0) {
-      out.push_back(&nodes_[i]);
+      out.push_back({nodes_[i].parent, nodes_[i].ino, nodes_[i].name});
     }
   }
   return out;
@@ -226,17 +407,26 @@ std::vector<const Node*> Tree::UnopenedReferencesDeepestFirst() const {
 
 uint64_t Tree::lookups(uint64_t ino) const {
   std::optional<size_t> i = IndexOf(ino);
-  return i ? counts_->lookups[*i].load() : 0;
+  if (i) return counts_->lookups[*i].load();
+  std::lock_guard<std::mutex> lock(counts_->samples_mu);
+  auto it = counts_->samples.find(ino);
+  return it == counts_->samples.end() ? 0 : it->second.lookups;
 }
 
 const Node* Tree::Get(uint64_t ino) const {
   std::optional<size_t> i = IndexOf(ino);
-  return i ? &nodes_[*i] : nullptr;
+  if (i) return &nodes_[*i];
+  std::lock_guard<std::mutex> lock(counts_->samples_mu);
+  auto it = counts_->samples.find(ino);
+  return it == counts_->samples.end() ? nullptr : it->second.node.get();
 }
 
-const Node* Tree::Lookup(uint64_t parent, absl::string_view name) const {
+absl::StatusOr<const Node*> Tree::Lookup(uint64_t parent,
+                                         absl::string_view name) const {
   const Node* dir = Get(parent);
   if (dir == nullptr || dir->kind != NodeKind::kDir) return nullptr;
+  if (dir->data == DataFile::kSamplesDir)
+    return LookupSample(*dir, name, /*count=*/false);
   auto it = std::lower_bound(
       dir->children.begin(), dir->children.end(), name,
       [&](uint64_t ino, absl::string_view n) { return Get(ino)->name < n; });
@@ -244,12 +434,57 @@ const Node* Tree::Lookup(uint64_t parent, absl::string_view name) const {
   return Get(*it);
 }
 
+absl::StatusOr<const Node*> Tree::Enter(uint64_t parent,
+                                        absl::string_view name) const {
+  const Node* dir = Get(parent);
+  if (dir != nullptr && dir->data == DataFile::kSamplesDir)
+    return LookupSample(*dir, name, /*count=*/true);
+  ASSIGN_OR_RETURN(const Node* n, Lookup(parent, name));
+  if (n != nullptr) CountLookup(n->ino);
+  return n;
+}
+
+int64_t Tree::EntryCount(const Node& dir) const {
+  if (dir.data == DataFile::kSamplesDir)
+    return datasets_[dir.dataset].view->RankSamples(dir.dp_rank);
+  return static_cast<int64_t>(dir.children.size());
+}
+
+DirEntry Tree::EntryAt(const Node& dir, int64_t i) const {
+  if (dir.data == DataFile::kSamplesDir)
+    return {absl::StrCat(i), SampleIno(dir, i), nullptr};
+  const Node* child = Get(dir.children[i]);
+  return {child->name, child->ino, child};
+}
+
+int64_t Tree::SizeOf(const Node& node) const {
+  if (node.data == DataFile::kStream)
+    return datasets_[node.dataset].view->StreamBytes(node.dp_rank);
+  return node.size;
+}
+
 absl::StatusOr<int64_t> Tree::Read(const Node& node, int64_t offset,
                                    int64_t length, char* out) const {
   if (node.kind != NodeKind::kFile)
     return absl::InvalidArgumentError("not a file");
-  if (offset >= node.size || length <= 0) return 0;
-  length = std::min(length, node.size - offset);
+  const int64_t size = SizeOf(node);
+  if (offset >= size || length <= 0) return 0;
+  length = std::min(length, size - offset);
+  if (node.data != DataFile::kNone) {
+    const DatasetView& data = *datasets_[node.dataset].view;
+    switch (node.data) {
+      case DataFile::kSampleIds:
+        data.ReadSampleIds(node.dp_rank, offset, length, out);
+        break;
+      case DataFile::kSample:
+        RETURN_IF_ERROR(
+            data.ReadSample(node.dp_rank, node.sample, offset, length, out));
+        break;
+      default:
+        RETURN_IF_ERROR(data.ReadStream(node.dp_rank, offset, length, out));
+    }
+    return length;
+  }
   if (node.view < 0) {
     std::memcpy(out, node.text.data() + offset, length);
     return length;

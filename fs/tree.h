@@ -15,13 +15,17 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "nlohmann/json.hpp"
 #include "ptc/parallel_config.h"
+#include "transfer/dataset_view.h"
 #include "transfer/step_view.h"
 #include "transfer/store.h"
 
@@ -30,6 +34,9 @@ namespace scalai {
 inline constexpr uint64_t kRootIno = 1;
 
 enum class NodeKind { kDir, kFile, kSymlink };
+
+// The files of `data/NAME/rank-R/` whose bytes a dataset view computes.
+enum class DataFile { kNone, kSampleIds, kSamplesDir, kSample, kStream };
 
 struct Node {
   uint64_t ino = 0;
@@ -49,6 +56,25 @@ struct Node {
   int shard = -1;
   // `status`: its bytes change while served; the server makes them.
   bool live = false;
+  // Data views: the tree's dataset view, the dp rank, and for kSample, K.
+  DataFile data = DataFile::kNone;
+  int dataset = -1;
+  int dp_rank = -1;
+  int64_t sample = -1;
+};
+
+// What the kernel must be told about a node to drop it.
+struct NodeRef {
+  uint64_t parent = 0;
+  uint64_t ino = 0;
+  std::string name;
+};
+
+// One name of a directory listing.
+struct DirEntry {
+  std::string name;
+  uint64_t ino = 0;
+  const Node* node = nullptr;  // null for a sample not looked up
 };
 
 class Tree {
@@ -67,12 +93,30 @@ class Tree {
                                                        const Tree& same);
 
   const ParallelConfig& config() const { return config_; }
+  // A node of the tree, or a samples/K file the kernel holds; else null.
   const Node* Get(uint64_t ino) const;
-  const Node* Lookup(uint64_t parent, absl::string_view name) const;
+  // The child called `name`, or null. A samples/K node is made here and
+  // lives only while the kernel holds it or it is open: the server uses
+  // Enter, which counts the kernel's reference in the same step.
+  absl::StatusOr<const Node*> Lookup(uint64_t parent,
+                                     absl::string_view name) const;
+  absl::StatusOr<const Node*> Enter(uint64_t parent,
+                                    absl::string_view name) const;
+  // A directory's listing by position. `samples/` lists K = 0, 1, ...
+  // without making their nodes.
+  int64_t EntryCount(const Node& dir) const;
+  DirEntry EntryAt(const Node& dir, int64_t i) const;
+  // A file's size: most are known when built; `samples.jsonl` is summed at
+  // its first use.
+  int64_t SizeOf(const Node& node) const;
   // Reads up to `length` bytes at `offset`; returns how many (0 at the end).
   absl::StatusOr<int64_t> Read(const Node& node, int64_t offset, int64_t length,
                                char* out) const;
   uint64_t generation() const { return generation_; }
+  // Inode numbers: the generation in the high 24 bits, an index below.
+  static constexpr int kIndexBits = 40;
+  static constexpr uint64_t kMaxGeneration = (uint64_t{1} << 24) - 1;
+  static uint64_t GenerationOf(uint64_t ino) { return ino >> kIndexBits; }
 
   // The kernel's references to inodes: each entry it receives (lookup,
   // readdirplus) counts one, FORGET drops n. A tree may be released once no
@@ -85,16 +129,26 @@ class Tree {
   void CountOpen(uint64_t ino, int delta) const;
   // The nodes the kernel holds and no handle has open, each after everything
   // below it: what may be reported deleted once the tree is replaced.
-  std::vector<const Node*> UnopenedReferencesDeepestFirst() const;
+  std::vector<NodeRef> UnopenedReferencesDeepestFirst() const;
 
  private:
   Tree() = default;
   Node& Add(uint64_t parent, std::string name, NodeKind kind, mode_t mode);
-  // Inode numbers carry the generation in their high 32 bits (the root is
-  // always 1), so inodes of different trees never collide.
-  uint64_t InoOf(size_t index) const;
+  // Inode numbers carry the generation (the root is always 1), so inodes of
+  // different trees never collide. Below it is a node's index or, past the
+  // nodes, a samples/K file: nodes + its dataset's base + its global
+  // position - the view's start (positions are unique across ranks).
+  uint64_t InoOf(uint64_t index) const;
   std::optional<size_t> IndexOf(uint64_t ino) const;
   void SortChildren();
+  absl::Status AddDatasets(const Store& store,
+                           const std::vector<StepRecord>& steps,
+                           uint64_t data_dir, nlohmann::json& job);
+  absl::Status NumberSamples();
+  uint64_t SampleIno(const Node& samples_dir, int64_t k) const;
+  absl::StatusOr<const Node*> LookupSample(const Node& samples_dir,
+                                           absl::string_view name,
+                                           bool count) const;
 
   ParallelConfig config_;
   uint64_t generation_ = 1;
@@ -108,9 +162,25 @@ class Tree {
     std::unique_ptr<std::atomic<uint64_t>[]> lookups;
     std::unique_ptr<std::atomic<int64_t>[]> opens;
     std::atomic<uint64_t> total_lookups{0};
+    // samples/K nodes, made when looked up and dropped once the kernel has
+    // forgotten them and no handle has them open; total_lookups counts
+    // their lookups too.
+    struct Sample {
+      std::unique_ptr<Node> node;
+      uint64_t lookups = 0;
+      int64_t opens = 0;
+    };
+    mutable std::mutex samples_mu;
+    absl::flat_hash_map<uint64_t, Sample> samples;  // guarded by samples_mu
   };
   std::shared_ptr<Counts> counts_;
   std::vector<std::unique_ptr<StepView>> views_;
+  struct Dataset {
+    std::unique_ptr<DatasetView> view;
+    std::vector<uint64_t> samples_dirs;  // by dp rank
+    uint64_t ino_base = 0;               // see InoOf
+  };
+  std::vector<Dataset> datasets_;
   // Start of each tensor in a group's model.safetensors data: [view][group].
   std::vector<std::vector<std::vector<int64_t>>> tensor_starts_;
 };

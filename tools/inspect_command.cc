@@ -23,6 +23,7 @@ absl::Status RunInspect(const InspectOptions& o) {
   ASSIGN_OR_RETURN(auto store, Store::Open(o.store, Store::Access::kReadOnly));
   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store->Steps());
   ASSIGN_OR_RETURN(auto blobs, store->Blobs());
+  ASSIGN_OR_RETURN(auto datasets, store->Datasets());
   int64_t store_bytes = 0;
   for (const auto& [name, b] : blobs) store_bytes += b.size;
   const Model* model = store->model().get();
@@ -54,6 +55,15 @@ absl::Status RunInspect(const InspectOptions& o) {
       j["steps"].push_back(
           {{"step", s.step}, {"config", s.config}, {"bytes", s.bytes}});
     }
+    for (const auto& [name, d] : datasets) {
+      j["datasets"].push_back({{"name", name},
+                               {"format", d.format},
+                               {"samples", d.samples},
+                               {"global_batch", d.global_batch},
+                               {"seed", d.seed},
+                               {"epochs", d.epochs},
+                               {"files", d.parts.size()}});
+    }
     std::printf("%s\n", j.dump(2).c_str());
     return absl::OkStatus();
   }
@@ -73,7 +83,14 @@ absl::Status RunInspect(const InspectOptions& o) {
     std::printf("  step-%08lld  %-28s %12s\n", static_cast<long long>(s.step),
                 s.config.c_str(), HumanBytes(s.bytes).c_str());
   }
-  std::printf("datasets  0\n");
+  std::printf("datasets  %zu\n", datasets.size());
+  for (const auto& [name, d] : datasets) {
+    std::printf(
+        "  %-16s %-8s %12lld samples  global batch %lld  %lld epoch%s\n",
+        name.c_str(), d.format.c_str(), static_cast<long long>(d.samples),
+        static_cast<long long>(d.global_batch),
+        static_cast<long long>(d.epochs), d.epochs == 1 ? "" : "s");
+  }
   std::printf("size      %s in %zu blobs\n", HumanBytes(store_bytes).c_str(),
               blobs.size());
   return absl::OkStatus();

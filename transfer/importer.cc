@@ -45,6 +45,7 @@ struct ImportPlan {
   std::vector<std::pair<SourceFile, int>>
       replicas;  // dp_rank > 0 shard, its group's file
   std::optional<int64_t> step_in_metadata;
+  std::optional<int64_t> consumed_samples;  // rank 0's, when it says
 };
 
 absl::Status UserError(absl::string_view label, absl::string_view why) {
@@ -74,15 +75,17 @@ absl::StatusOr<SourceFile> ReadSource(const std::string& path,
   return SourceFile{path, label, *std::move(header)};
 }
 
-std::optional<int64_t> StepFromMetadata(const SafetensorsHeader& h) {
-  auto it = h.metadata().find("scalai.step");
+// A non-negative integer of the header's metadata, when it has one.
+std::optional<int64_t> MetadataCount(const SafetensorsHeader& h,
+                                     const std::string& key) {
+  auto it = h.metadata().find(key);
   if (it == h.metadata().end()) return std::nullopt;
-  int64_t step = 0;
+  int64_t n = 0;
   const std::string& v = it->second;
-  auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), step);
-  if (ec != std::errc() || end != v.data() + v.size() || step < 0)
+  auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+  if (ec != std::errc() || end != v.data() + v.size() || n < 0)
     return std::nullopt;
-  return step;
+  return n;
 }
 
 // Checks that `file` holds exactly the tensors `shards` says, and returns
@@ -292,7 +295,9 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
     }
     plan.replicas.emplace_back(std::move(replica), g);
   }
-  plan.step_in_metadata = StepFromMetadata(group_files[0].header);
+  plan.step_in_metadata = MetadataCount(group_files[0].header, "scalai.step");
+  plan.consumed_samples =
+      MetadataCount(group_files[0].header, "scalai.consumed_samples");
   plan.files = std::move(group_files);
   plan.stored_config = config.ToString();
   return absl::OkStatus();
@@ -373,7 +378,9 @@ absl::Status PlanFull(const Store& store, const std::vector<std::string>& paths,
   }
   plan.groups.push_back(std::move(group));
   plan.stored_config = "full";
-  plan.step_in_metadata = StepFromMetadata(plan.files[0].header);
+  plan.step_in_metadata = MetadataCount(plan.files[0].header, "scalai.step");
+  plan.consumed_samples =
+      MetadataCount(plan.files[0].header, "scalai.consumed_samples");
   return absl::OkStatus();
 }
 
@@ -514,7 +521,8 @@ absl::StatusOr<ImportResult> ImportCheckpoint(Store& store,
   RETURN_IF_ERROR(SyncFilesystem(store.blob_dir()));
 
   StepRecord record{step, plan.stored_config,
-                    static_cast<int>(plan.groups.size()), 0};
+                    static_cast<int>(plan.groups.size()), 0,
+                    plan.consumed_samples};
   Catalog::Batch batch;
   for (size_t g = 0; g < plan.groups.size(); ++g) {
     ShardRecord& shard = plan.groups[g];

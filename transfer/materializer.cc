@@ -244,7 +244,8 @@ absl::StatusOr<Materialization> Materialization::Write(
     const Placement& to = plan.to();
     StepUpdate update;
     update.before = step;
-    update.after = {step.step, target, to.num_groups(), 0};
+    update.after = {step.step, target, to.num_groups(), 0,
+                    step.consumed_samples};
     std::vector<ShardRecord> stored;
     for (int g = 0; g < step.groups; ++g) {
       ASSIGN_OR_RETURN(ShardRecord record, store.Shard(step.step, g));

@@ -156,6 +156,21 @@ absl::Status Store::RemoveOrphans() {
     ++orphans_removed_;
   }
   if (orphans_removed_ > 0) RETURN_IF_ERROR(SyncDir(blob_dir()));
+  // Dataset indexes of a registration that never committed.
+  struct stat st;
+  if (stat(dataset_dir().c_str(), &st) != 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(auto datasets, Datasets());
+  std::set<std::string> named;
+  for (const auto& [name, d] : datasets) named.insert(d.index);
+  ASSIGN_OR_RETURN(files, ListDir(dataset_dir()));
+  for (const std::string& name : files) {
+    if (named.contains(name)) continue;
+    const std::string path = dataset_dir() + "/" + name;
+    if (unlink(path.c_str()) != 0 && errno != ENOENT) {
+      return ErrnoError(errno, "remove orphaned dataset index", path);
+    }
+    ++orphans_removed_;
+  }
   return absl::OkStatus();
 }
 
@@ -170,8 +185,14 @@ absl::StatusOr<std::vector<StepRecord>> Store::Steps() const {
         !j.contains("bytes")) {
       return Corrupt(what);
     }
-    steps.push_back({StepFromKey(key), j["config"].get<std::string>(),
-                     j["groups"].get<int>(), j["bytes"].get<int64_t>()});
+    StepRecord step{StepFromKey(key), j["config"].get<std::string>(),
+                    j["groups"].get<int>(), j["bytes"].get<int64_t>(),
+                    std::nullopt};
+    if (j.contains("consumed_samples")) {
+      if (!j["consumed_samples"].is_number_integer()) return Corrupt(what);
+      step.consumed_samples = j["consumed_samples"].get<int64_t>();
+    }
+    steps.push_back(std::move(step));
   }
   return steps;
 }
@@ -246,6 +267,63 @@ absl::StatusOr<std::map<std::string, BlobRecord>> Store::Blobs() const {
   return blobs;
 }
 
+absl::StatusOr<std::map<std::string, DatasetRecord>> Store::Datasets() const {
+  ASSIGN_OR_RETURN(auto records, catalog_->Scan(Table::kDatasets));
+  std::map<std::string, DatasetRecord> datasets;
+  for (const auto& [key, value] : records) {
+    std::string what = absl::StrCat("dataset ", key);
+    ASSIGN_OR_RETURN(json j, ParseRecord(value, what));
+    DatasetRecord d;
+    try {
+      d.format = j.at("format").get<std::string>();
+      d.samples = j.at("samples").get<int64_t>();
+      d.global_batch = j.at("global_batch").get<int64_t>();
+      d.seed = j.at("seed").get<uint64_t>();
+      d.epochs = j.at("epochs").get<int64_t>();
+      d.index = j.at("index").get<std::string>();
+      d.index_size = j.at("index_size").get<int64_t>();
+      d.index_xxh3 =
+          std::stoull(j.at("index_xxh3").get<std::string>(), nullptr, 16);
+      for (const json& p : j.at("parts")) {
+        DatasetRecord::Part part;
+        part.samples = p.at("samples").get<int64_t>();
+        for (const json& f : p.at("files")) {
+          part.files.push_back({f.at("path").get<std::string>(),
+                                f.at("size").get<int64_t>(),
+                                f.at("mtime_ns").get<int64_t>()});
+        }
+        d.parts.push_back(std::move(part));
+      }
+    } catch (const std::exception&) {
+      return Corrupt(what);
+    }
+    datasets[key] = std::move(d);
+  }
+  return datasets;
+}
+
+std::string Store::EncodeDataset(const DatasetRecord& d) {
+  json parts = json::array();
+  for (const DatasetRecord::Part& p : d.parts) {
+    json files = json::array();
+    for (const FileStamp& f : p.files) {
+      files.push_back(
+          {{"path", f.path}, {"size", f.size}, {"mtime_ns", f.mtime_ns}});
+    }
+    parts.push_back({{"samples", p.samples}, {"files", files}});
+  }
+  return json{{"format", d.format},
+              {"samples", d.samples},
+              {"global_batch", d.global_batch},
+              {"seed", d.seed},
+              {"epochs", d.epochs},
+              {"index", d.index},
+              {"index_size", d.index_size},
+              {"index_xxh3", absl::StrFormat("%016x", d.index_xxh3)},
+              {"parts", parts}}
+      .dump();
+}
+
 absl::StatusOr<std::shared_ptr<const Placement>> Store::StepPlacement(
     const StepRecord& step) const {
   if (model_ == nullptr) return Corrupt("model");
@@ -266,9 +344,10 @@ std::string Store::EncodeModel(const Model& model) {
 }
 
 std::string Store::EncodeStep(const StepRecord& step) {
-  return json{
-      {"config", step.config}, {"groups", step.groups}, {"bytes", step.bytes}}
-      .dump();
+  json j = {
+      {"config", step.config}, {"groups", step.groups}, {"bytes", step.bytes}};
+  if (step.consumed_samples) j["consumed_samples"] = *step.consumed_samples;
+  return j.dump();
 }
 
 std::string Store::EncodeShard(const ShardRecord& shard) {

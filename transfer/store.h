@@ -34,6 +34,9 @@ struct StepRecord {
   std::string config;
   int groups = 0;
   int64_t bytes = 0;  // tensor bytes of all stored shards
+  // `scalai.consumed_samples` of rank 0's shard, when it had one: where the
+  // job stands in its data (SPEC "Dataset position").
+  std::optional<int64_t> consumed_samples;
   bool full() const { return config == "full"; }
 };
 
@@ -52,6 +55,35 @@ struct BlobRecord {
   int64_t size = 0;
   uint64_t xxh3 = 0;
   int64_t step = 0;
+};
+
+// A source file a dataset reads in place, as it was when registered: a
+// change of size or mtime means its bytes are no longer the ones indexed.
+struct FileStamp {
+  std::string path;  // absolute
+  int64_t size = 0;
+  int64_t mtime_ns = 0;
+};
+
+// A registered dataset (`scalai dataset add`). Its samples are the parts'
+// samples in order: a JSONL file's lines, or a Megatron pair's sequences.
+struct DatasetRecord {
+  struct Part {
+    int64_t samples = 0;
+    // jsonl: the file; megatron: the .idx, then the .bin.
+    std::vector<FileStamp> files;
+  };
+  std::string format;  // "jsonl" or "megatron"
+  std::vector<Part> parts;
+  int64_t samples = 0;
+  int64_t global_batch = 0;
+  uint64_t seed = 0;
+  int64_t epochs = 1;
+  // jsonl: the line index in the store's dataset directory, one uint64
+  // start per line and one past each file's last line (see DatasetSource).
+  std::string index;
+  int64_t index_size = 0;
+  uint64_t index_xxh3 = 0;
 };
 
 class Store {
@@ -79,6 +111,8 @@ class Store {
   std::string BlobPath(const std::string& name) const {
     return blob_dir() + "/" + name;
   }
+  // Dataset indexes (files of the store that datasets name).
+  std::string dataset_dir() const { return dir_ + "/datasets"; }
   // A fresh random blob name; never reused.
   static std::string NewBlobName();
   // Blob files removed by the last open because no record named them.
@@ -90,6 +124,8 @@ class Store {
   absl::StatusOr<StepRecord> ResolveStep(std::optional<int64_t> step) const;
   absl::StatusOr<ShardRecord> Shard(int64_t step, int group) const;
   absl::StatusOr<std::map<std::string, BlobRecord>> Blobs() const;
+  // Every registered dataset, by name.
+  absl::StatusOr<std::map<std::string, DatasetRecord>> Datasets() const;
   // The placement that a step's shards are stored under.
   absl::StatusOr<std::shared_ptr<const Placement>> StepPlacement(
       const StepRecord& step) const;
@@ -99,6 +135,7 @@ class Store {
   static std::string EncodeStep(const StepRecord& step);
   static std::string EncodeShard(const ShardRecord& shard);
   static std::string EncodeBlob(const BlobRecord& blob);
+  static std::string EncodeDataset(const DatasetRecord& dataset);
 
  private:
   Store() = default;

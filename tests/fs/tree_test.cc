@@ -67,8 +67,9 @@ class TreeTest : public ::testing::Test {
     uint64_t ino = kRootIno;
     const Node* n = tree.Get(ino);
     for (const char* name : path) {
-      n = tree.Lookup(ino, name);
-      if (n == nullptr) return nullptr;
+      auto found = tree.Lookup(ino, name);
+      if (!found.ok() || *found == nullptr) return nullptr;
+      n = *found;
       ino = n->ino;
     }
     return n;
@@ -172,8 +173,8 @@ TEST_F(TreeTest, LookupsAreCountedAndForgotten) {
   EXPECT_TRUE(Walk(*tree, {"status"})->live);
   EXPECT_EQ(Walk(*tree, {"config"})->mode, 0644u);
   // Inodes carry their generation: another tree's inode is not found here.
-  EXPECT_EQ(Walk(*tree, {"ckpt"})->ino >> 32, 7u);
-  EXPECT_EQ(tree->Get((uint64_t{8} << 32) | 2), nullptr);
+  EXPECT_EQ(Tree::GenerationOf(Walk(*tree, {"ckpt"})->ino), 7u);
+  EXPECT_EQ(tree->Get((uint64_t{8} << Tree::kIndexBits) | 2), nullptr);
 }
 
 TEST_F(TreeTest, RebuiltTreeKeepsInodesAndSharesTheKernelsReferences) {
