@@ -386,11 +386,13 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
         new Handle(tree, n, n->live ? Get(req).StatusText() : ""));
     if (Volatile(*n)) {
       fi->direct_io = 1;
-    } else {
+    } else if (n->data != DataFile::kSample && n->data != DataFile::kStream) {
       // These bytes never change: the page cache may keep them, and mapping
       // works (no direct I/O).
       fi->keep_cache = 1;
     }
+    // A sample's bytes come from a source file the user may change: each
+    // open drops the cached pages, so that reads reach the stamp check.
     if (fuse_reply_open(req, fi) != 0) delete HandleOf(fi);
   }
 }

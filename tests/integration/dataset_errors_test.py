@@ -1,0 +1,157 @@
+#!/usr/bin/python3
+"""Malformed datasets are refused with one clear line naming the file, and
+register nothing (no record, no index file); a source file changed after
+registration is never served: reads fail with EIO and `status` names the
+file, while the mount and the other datasets go on. Exits 77 only where
+/dev/fuse is missing."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dataset_files import megatron_idx, write_jsonl, write_megatron  # noqa
+from reference import scalai  # noqa
+from views import status  # noqa
+
+BIN = sys.argv[1]
+MNT = []  # the test's mountpoint, for the cleanup
+
+
+def run(*args, expect=0):
+    return scalai(BIN, *args, expect=expect)
+
+
+def refused(store, files, why, fmt="megatron", batch="4", name="bad"):
+    """`dataset add` fails with one line naming `files[0]` and `why`, and
+    leaves no trace."""
+    p = run("dataset", "add", store, name, "--format", fmt, "--global-batch", batch, *files,
+            expect=1)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and why in lines[0], (why, p.stderr)
+    # It names the file at fault (a pair's .idx or .bin), or the dataset.
+    assert any(os.path.basename(f).split(".")[0] in lines[0] for f in files) \
+        or "global batch" in why, p.stderr
+    names = [d["name"] for d in json.loads(run("inspect", store, "--json").stdout)["datasets"]]
+    assert name not in names, names
+    assert not os.path.exists(f"{store}/datasets") or os.listdir(f"{store}/datasets") == [], \
+        os.listdir(f"{store}/datasets")
+    print(f"refused: {lines[0]}")
+
+
+def main():
+    if not os.path.exists("/dev/fuse"):
+        print("no /dev/fuse: skipped")
+        sys.exit(77)
+    rng = np.random.default_rng(7)
+    with tempfile.TemporaryDirectory() as tmp:
+        store, mnt = f"{tmp}/store", f"{tmp}/mnt"
+        os.makedirs(mnt)
+        MNT.append(mnt)
+        run("init", store, "--layout", "megatron-core-gpt")
+        seqs = [rng.integers(0, 1000, size=n).astype(np.uint16) for n in (5, 9, 3, 7, 4, 6)]
+        write_megatron(f"{tmp}/good", seqs, np.uint16)
+        idx = open(f"{tmp}/good.idx", "rb").read()
+        bin_ = open(f"{tmp}/good.bin", "rb").read()
+
+        def pair(name, idx_bytes, bin_bytes=bin_):
+            open(f"{tmp}/{name}.idx", "wb").write(idx_bytes)
+            open(f"{tmp}/{name}.bin", "wb").write(bin_bytes)
+            return [f"{tmp}/{name}.idx"]
+
+        refused(store, pair("truncated", idx, bin_[:-3]), "past the end of the .bin")
+        refused(store, pair("magic", b"NOTANIDX\x00" + idx[9:]), "bad magic")
+        refused(store, pair("version", idx[:9] + (2).to_bytes(8, "little") + idx[17:]),
+                "version 2 is not supported")
+        refused(store, pair("dtype", idx[:17] + bytes([11]) + idx[18:]), "unknown dtype code 11")
+        far = bytearray(idx)
+        far[34 + 4 * 6 + 8 * 2:34 + 4 * 6 + 8 * 3] = (1 << 40).to_bytes(8, "little")
+        refused(store, pair("pointers", bytes(far)), "sequence 2 (pointer 1099511627776")
+        refused(store, pair("short", idx[:-5]), "more than the file's 157 bytes hold")
+        refused(store, pair("long", idx + b"xyz"), "tables end at byte 162 but the file has 165 bytes")
+        refused(store, pair("counts", idx[:18] + (10 ** 12).to_bytes(8, "little") + idx[26:]),
+                "more than the file")
+        refused(store, pair("empty", b""), "empty file")
+        refused(store, pair("emptybin", idx, b""), "empty file")
+        refused(store, [f"{tmp}/missing.idx"], "No such file")
+        write_jsonl(f"{tmp}/lines.jsonl", [{"a": 1}, {"b": 2}])
+        open(f"{tmp}/blank.jsonl", "w").write('{"a": 1}\n\n{"b": 2}\n')
+        refused(store, [f"{tmp}/lines.jsonl", f"{tmp}/blank.jsonl"], "line 2 is empty", "jsonl",
+                batch="1")
+        open(f"{tmp}/broken.jsonl", "w").write('{"a": 1}\n{"b": \n')
+        refused(store, [f"{tmp}/broken.jsonl"], "line 2 is not valid JSON", "jsonl", batch="1")
+        open(f"{tmp}/nothing.jsonl", "w").write("")
+        refused(store, [f"{tmp}/nothing.jsonl"], "empty file", "jsonl")
+        refused(store, [f"{tmp}/good.idx"], "global batch 7 must be between 1 and the number "
+                "of samples (6)", batch="7")
+
+        # A global batch smaller than the store's dp.
+        run("mount", store, mnt, "--config", "tp=1,pp=1,dp=4")
+        run("umount", mnt)
+        refused(store, [f"{tmp}/good"], "global batch 3 is smaller than dp=4", batch="3")
+
+        # Registered, then changed.
+        run("dataset", "add", store, "tok", "--format", "megatron", "--global-batch", "4",
+            f"{tmp}/good")
+        run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "2",
+            f"{tmp}/lines.jsonl", expect=1)  # dp=4 > 2
+        run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "1",
+            "--epochs", "4", f"{tmp}/lines.jsonl", expect=1)
+        shutil.copy(f"{tmp}/lines.jsonl", f"{tmp}/more.jsonl")
+        with open(f"{tmp}/more.jsonl", "a") as f:
+            f.write('{"c": 3}\n{"d": 4}\n')
+        run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "4",
+            f"{tmp}/more.jsonl")
+        run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "4",
+            f"{tmp}/more.jsonl", expect=1)  # the name is taken
+        run("mount", store, mnt)
+        # A dp larger than a dataset's global batch is refused at the switch.
+        try:
+            with open(f"{mnt}/config", "w") as f:
+                f.write("tp=1,pp=1,dp=5\n")
+            raise AssertionError("dp=5 was accepted")
+        except OSError as e:
+            assert e.errno == errno.EINVAL, e
+        assert "global batch 4 is smaller than dp=5" in status(mnt)["error"], status(mnt)
+        assert open(f"{mnt}/data/tok/rank-00000/samples/0", "rb").read() in \
+            [s.tobytes() for s in seqs]
+        # Same size, new mtime: refused, and the file is named.
+        os.utime(f"{tmp}/good.bin", ns=(10 ** 18, 10 ** 18))
+        for path in (f"{mnt}/data/tok/rank-00000/samples/0",):
+            try:
+                open(path, "rb").read()
+                raise AssertionError("a changed file was served")
+            except OSError as e:
+                assert e.errno == errno.EIO, e
+        err = status(mnt)["error"]
+        assert f"{tmp}/good.bin changed since it was registered" in err, err
+        # Truncated under the mount: an error, not a crash.
+        with open(f"{tmp}/more.jsonl", "r+") as f:
+            f.truncate(3)
+        try:
+            open(f"{mnt}/data/web/rank-00001/samples/0", "rb").read()
+            raise AssertionError("a truncated file was served")
+        except OSError as e:
+            assert e.errno == errno.EIO, e
+        assert "more.jsonl changed since it was registered" in status(mnt)["error"]
+        # The ids need no source file and stay readable.
+        ids = np.frombuffer(open(f"{mnt}/data/web/rank-00000/sample-ids.u64", "rb").read(), "<u8")
+        assert len(ids) == 1 and ids[0] < 4, ids
+        run("umount", mnt)
+        run("fsck", store)
+    print("dataset_errors_test: ok")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        # A failed check must not leave its mount behind.
+        if MNT:
+            subprocess.run(["fusermount3", "-u", "-q", MNT[0]], stderr=subprocess.DEVNULL)
