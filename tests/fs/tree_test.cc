@@ -3,8 +3,10 @@
 // that synth cuts directly for that config.
 #include "fs/tree.h"
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include "absl/strings/str_format.h"
@@ -12,6 +14,7 @@
 #include "ptc/model_spec.h"
 #include "ptc/safetensors.h"
 #include "tools/synth.h"
+#include "transfer/dataset_import.h"
 #include "transfer/importer.h"
 
 namespace scalai {
@@ -197,6 +200,69 @@ TEST_F(TreeTest, RebuiltTreeKeepsInodesAndSharesTheKernelsReferences) {
   EXPECT_TRUE(tree->UnopenedReferencesDeepestFirst().empty());
   (*again)->CountOpen(file->ino, -1);
   EXPECT_EQ(tree->UnopenedReferencesDeepestFirst().size(), 1u);
+}
+
+// samples/K nodes are made on lookup and live exactly as long as the kernel
+// holds them or a handle has them open; their inode numbers are distinct
+// across ranks, and the kernel's references survive a rebuild.
+TEST_F(TreeTest, SampleNodesLiveWhileTheKernelHoldsThem) {
+  {
+    std::ofstream out(dir_ / "lines.jsonl");
+    for (int i = 0; i < 30; ++i) out << "{\"i\": " << i << "}\n";
+  }
+  // A store without steps: the views start at position 0.
+  auto store = Store::Create((dir_ / "data-store").string(), layout_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  DatasetImportOptions o;
+  o.name = "web";
+  o.format = "jsonl";
+  o.files = {(dir_ / "lines.jsonl").string()};
+  o.global_batch = 7;  // 4 batches, 2 samples dropped
+  ASSERT_TRUE(AddDataset(**store, o).ok());
+  auto tree = *Tree::Build(**store, *ParallelConfig::Parse("tp=1,pp=1,dp=2"));
+  const Node* dir0 = Walk(*tree, {"data", "web", "rank-00000", "samples"});
+  const Node* dir1 = Walk(*tree, {"data", "web", "rank-00001", "samples"});
+  ASSERT_NE(dir0, nullptr);
+  EXPECT_EQ(tree->EntryCount(*dir0), 16);  // 4 of every 7
+  EXPECT_EQ(tree->EntryCount(*dir1), 12);
+  std::set<uint64_t> inos;
+  for (const Node* dir : {dir0, dir1}) {
+    for (int64_t k = 0; k < tree->EntryCount(*dir); ++k) {
+      inos.insert(tree->EntryAt(*dir, k).ino);
+      EXPECT_EQ(tree->EntryAt(*dir, k).node, nullptr);  // listing makes none
+    }
+  }
+  EXPECT_EQ(inos.size(), 28u);
+  EXPECT_EQ(*tree->Lookup(dir1->ino, "12"), nullptr);  // past the end
+  EXPECT_EQ(*tree->Lookup(dir1->ino, "01"), nullptr);  // one name per file
+  EXPECT_EQ(*tree->Lookup(dir1->ino, "-1"), nullptr);
+
+  const Node* a = *tree->Enter(dir1->ino, "5");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->ino, tree->EntryAt(*dir1, 5).ino);
+  EXPECT_EQ(*tree->Enter(dir1->ino, "5"), a);
+  EXPECT_EQ(tree->lookups(a->ino), 2u);
+  EXPECT_EQ(tree->total_lookups(), 2u);
+  // Its bytes are the line of its sample id, without the newline.
+  std::string ids(8 * 12, '\0');
+  const Node* id_file =
+      Walk(*tree, {"data", "web", "rank-00001", "sample-ids.u64"});
+  ASSERT_EQ(*tree->Read(*id_file, 0, 8 * 12, ids.data()), 8 * 12);
+  uint64_t id5;
+  std::memcpy(&id5, ids.data() + 8 * 5, 8);
+  EXPECT_EQ(ReadNode(*tree, *a, 3), absl::StrFormat("{\"i\": %d}", id5));
+  EXPECT_EQ(tree->UnopenedReferencesDeepestFirst().size(), 1u);
+
+  // Rebuilt (as after a materialization): the same node, the same counts.
+  auto again = *Tree::Rebuild(**store, *tree);
+  EXPECT_EQ(again->Get(a->ino), a);
+  again->CountOpen(a->ino, +1);
+  again->Forget(a->ino, 2);
+  EXPECT_EQ(tree->total_lookups(), 0u);
+  EXPECT_EQ(tree->Get(a->ino), a);  // open: kept
+  EXPECT_TRUE(tree->UnopenedReferencesDeepestFirst().empty());
+  again->CountOpen(a->ino, -1);
+  EXPECT_EQ(tree->Get(a->ino), nullptr);  // forgotten and closed: gone
 }
 
 }  // namespace
