@@ -28,8 +28,19 @@ echo "== Keep it in a store: import, inspect, verify =="
 step "$scalai" init "$work/job" --layout megatron-core-gpt --param vocab_size=32000 \
   --param gated_linear_unit=1
 step "$scalai" import "$work/job" "$work/ckpt" --config tp=2,pp=2,dp=2 --step 100
-step "$scalai" inspect "$work/job"
 step "$scalai" fsck "$work/job"
+
+echo
+echo "== Its data: 10000 JSONL lines read in place, a global batch of 32, 2 epochs =="
+/usr/bin/python3 -c "
+import json, random
+r = random.Random(5)
+with open('$work/web.jsonl', 'w') as f:
+    for i in range(10000):
+        f.write(json.dumps({'doc': i, 'text': ' '.join(r.choice(['tp', 'pp', 'dp', 'mount', 'shard']) for _ in range(r.randrange(2, 9)))}) + '\\n')"
+step "$scalai" dataset add "$work/job" web --format jsonl --global-batch 32 --epochs 2 \
+  "$work/web.jsonl"
+step "$scalai" inspect "$work/job"
 
 echo
 echo "== Shrink to 4 GPUs as tp=4,pp=1,dp=1: what moves? =="
@@ -48,6 +59,11 @@ if [[ -e /dev/fuse ]]; then
   step ls -l "$work/mnt/ckpt/latest/rank-00005"
   step /usr/bin/python3 -c "import json; print(json.load(open('$work/mnt/ckpt/latest/rank-00005/rank.json'))['tensors']['output_layer.weight'])"
   echo
+  echo "== The data as each data-parallel rank reads it, from step 100's position (100 x 32) =="
+  step find "$work/mnt/data" -maxdepth 3
+  step cat "$work/mnt/data/web/dataset.json" "$work/mnt/data/web/rank-00001/rank.json"
+  step sh -c "od -An -tu8 -N32 '$work/mnt/data/web/rank-00001/sample-ids.u64'; head -n 2 '$work/mnt/data/web/rank-00001/samples.jsonl'; cat '$work/mnt/data/web/rank-00001/samples/0'; echo"
+  echo
   echo "== Two GPUs fail: shrink to tp=1,pp=2,dp=1 while mounted. Views switch at once; =="
   echo "== the new shards are written in the background, only the bytes that must move =="
   step "$scalai" plan --layout megatron-core-gpt --model "$model" \
@@ -55,6 +71,8 @@ if [[ -e /dev/fuse ]]; then
   step sh -c "echo tp=1,pp=2,dp=1 > '$work/mnt/config'; cat '$work/mnt/status'; ls '$work/mnt/ckpt/latest'"
   step "$scalai" reconfigure "$work/mnt" tp=1,pp=2,dp=1 --wait
   step cat "$work/mnt/status"
+  echo "== One data-parallel rank now reads every sample of each batch, from the same position =="
+  step sh -c "ls '$work/mnt/data/web'; cat '$work/mnt/data/web/rank-00000/rank.json'; od -An -tu8 -N64 '$work/mnt/data/web/rank-00000/sample-ids.u64'"
   step "$scalai" reconfigure "$work/mnt" tp=1,pp=2,dp=4 --wait
   step "$scalai" umount "$work/mnt"
   step "$scalai" fsck "$work/job"
