@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -14,14 +15,19 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "fs/save_area.h"
 #include "nlohmann/json.hpp"
+#include "ptc/status_macros.h"
 #include "transfer/materializer.h"
 
 namespace scalai {
@@ -38,6 +44,8 @@ constexpr double kCacheSeconds = 3600;
 // always built from one consistent set of records.
 struct Server {
   Store* store;
+  std::unique_ptr<SaveArea> saves;  // steps being saved; thread-safe
+  int keep_steps = 0;               // 0: keep every step
   uid_t uid;
   gid_t gid;
   timespec start;
@@ -94,6 +102,10 @@ struct Server {
                         {"bytes_to_move", total},
                         {"bytes_moved", done}};
     if (!error.empty()) j["error"] = error;
+    // Steps being saved, and the dp_rank 0 ranks each still waits for.
+    j["saving"] = nlohmann::json::array();
+    for (const auto& [step, missing] : saves->Pending())
+      j["saving"].push_back({{"step", step}, {"waiting_for", missing}});
     return j.dump() + "\n";
   }
 };
@@ -113,6 +125,10 @@ int ToErrno(const absl::Status& s) {
       return EACCES;
     case absl::StatusCode::kOutOfRange:
       return EINVAL;
+    case absl::StatusCode::kAlreadyExists:
+      return EEXIST;
+    case absl::StatusCode::kResourceExhausted:
+      return ENOSPC;
     default:
       return EIO;
   }
@@ -169,6 +185,38 @@ fuse_entry_param Entry(Server& s, const Tree& tree, const Node& n) {
   return e;
 }
 
+// A node of a step being saved: never cached, since it grows as written.
+struct stat SaveAttr(Server& s, const SaveNode& n) {
+  struct stat st = {};
+  st.st_ino = n.ino;
+  st.st_uid = s.uid;
+  st.st_gid = s.gid;
+  st.st_mode = n.dir ? S_IFDIR | 0755 : S_IFREG | 0644;
+  st.st_nlink = n.dir ? 2 : 1;
+  st.st_size = n.size;
+  st.st_blksize = kMaxIo;
+  st.st_blocks = (n.size + 511) / 512;
+  st.st_atim = st.st_mtim = st.st_ctim = s.start;
+  return st;
+}
+
+fuse_entry_param SaveEntry(Server& s, const SaveNode& n) {
+  fuse_entry_param e = {};
+  e.ino = n.ino;
+  e.attr = SaveAttr(s, n);
+  return e;  // timeouts 0
+}
+
+bool IsCkptDir(const Node& n) {
+  return n.parent == kRootIno && n.name == "ckpt";
+}
+
+// A refused save says why in `status` too: the writer's errno cannot.
+void ReportSaveError(Server& s, const absl::Status& status) {
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.error = std::string(status.message());
+}
+
 // Reads of a dataset whose source file changed fail; `status` says which.
 void ReportDataLoss(Server& s, const absl::Status& status) {
   if (status.code() != absl::StatusCode::kDataLoss) return;
@@ -178,6 +226,16 @@ void ReportDataLoss(Server& s, const absl::Status& status) {
 
 void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Server& s = Get(req);
+  if (SaveArea::Owns(parent)) {
+    std::optional<SaveNode> n = s.saves->Lookup(parent, name);
+    if (!n) {
+      fuse_reply_err(req, ENOENT);
+      return;
+    }
+    fuse_entry_param e = SaveEntry(s, *n);
+    fuse_reply_entry(req, &e);
+    return;
+  }
   std::shared_ptr<const Tree> tree = s.TreeOf(parent);
   absl::StatusOr<const Node*> n =
       tree ? tree->Enter(parent, name) : absl::StatusOr<const Node*>(nullptr);
@@ -187,7 +245,16 @@ void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
     return;
   }
   if (*n == nullptr) {
-    fuse_reply_err(req, ENOENT);
+    // In ckpt/, a step being saved.
+    const Node* dir = tree ? tree->Get(parent) : nullptr;
+    std::optional<SaveNode> step;
+    if (dir != nullptr && IsCkptDir(*dir)) step = s.saves->LookupStep(name);
+    if (!step) {
+      fuse_reply_err(req, ENOENT);
+      return;
+    }
+    fuse_entry_param e = SaveEntry(s, *step);
+    fuse_reply_entry(req, &e);
     return;
   }
   fuse_entry_param e = Entry(s, *tree, **n);
@@ -196,6 +263,16 @@ void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
 
 void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
   Server& s = Get(req);
+  if (SaveArea::Owns(ino)) {
+    std::optional<SaveNode> n = s.saves->Get(ino);
+    if (!n) {
+      fuse_reply_err(req, ENOENT);
+      return;
+    }
+    struct stat st = SaveAttr(s, *n);
+    fuse_reply_attr(req, &st, 0);
+    return;
+  }
   std::shared_ptr<const Tree> tree = s.TreeOf(ino);
   const Node* n = tree ? tree->Get(ino) : nullptr;
   if (n == nullptr) {
@@ -225,13 +302,39 @@ struct Handle {
       : tree(std::move(t)), node(n), snapshot(std::move(text)) {
     tree->CountOpen(node->ino, +1);
   }
-  ~Handle() { tree->CountOpen(node->ino, -1); }
+  // A file being saved (SaveArea); `verify`: of a step that has committed
+  // meanwhile, so only compared with the committed shard.
+  Handle(uint64_t ino, std::shared_ptr<ShardFile> f, bool verify = false)
+      : save_ino(ino), file(std::move(f)), verify_saved(verify) {}
+  // A committed model.safetensors written again (a late data-parallel
+  // replica, a repeated save): the bytes go to a scratch file and are
+  // compared with the committed shard at close.
+  Handle(std::shared_ptr<const Tree> t, const Node* n,
+         std::shared_ptr<ShardFile> f)
+      : tree(std::move(t)), node(n), file(std::move(f)) {
+    tree->CountOpen(node->ino, +1);
+  }
+  // A directory whose entries are not all one tree's (ckpt/ and the
+  // directories of steps being saved): listed as it was at opendir.
+  Handle(uint64_t ino, std::vector<DirEntry> entries,
+         std::shared_ptr<const Tree> t = nullptr)
+      : tree(std::move(t)), save_ino(ino), listing(std::move(entries)) {}
+  ~Handle() {
+    if (tree != nullptr && node != nullptr) tree->CountOpen(node->ino, -1);
+  }
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
 
   const std::shared_ptr<const Tree> tree;
-  const Node* const node;
+  const Node* const node = nullptr;
   const std::string snapshot;
+  const uint64_t save_ino = 0;
+  const std::shared_ptr<ShardFile> file;
+  // Written since the last flush, which checks the file then: a shell's
+  // `>` closes a duplicate before anything is written.
+  bool dirty = false;
+  const bool verify_saved = false;
+  const std::optional<std::vector<DirEntry>> listing;
 };
 
 // Runs kernel notifications on a thread of their own: one sent from inside
@@ -278,13 +381,44 @@ Handle* HandleOf(fuse_file_info* fi) {
   return reinterpret_cast<Handle*>(fi->fh);
 }
 
+DirEntry ListedSave(const SaveNode& n) {
+  return {n.name, n.ino, nullptr,
+          static_cast<mode_t>(n.dir ? S_IFDIR | 0755 : S_IFREG | 0644)};
+}
+
 void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
-  std::shared_ptr<const Tree> tree = Get(req).TreeOf(ino);
+  Server& s = Get(req);
+  if (SaveArea::Owns(ino)) {
+    if (!s.saves->Get(ino)) {
+      fuse_reply_err(req, ENOENT);
+      return;
+    }
+    std::vector<DirEntry> entries;
+    for (const SaveNode& n : s.saves->Children(ino))
+      entries.push_back(ListedSave(n));
+    fi->fh = reinterpret_cast<uint64_t>(new Handle(ino, std::move(entries)));
+    if (fuse_reply_open(req, fi) != 0) delete HandleOf(fi);
+    return;
+  }
+  std::shared_ptr<const Tree> tree = s.TreeOf(ino);
   const Node* n = tree ? tree->Get(ino) : nullptr;
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
   } else if (n->kind != NodeKind::kDir) {
     fuse_reply_err(req, ENOTDIR);
+  } else if (IsCkptDir(*n)) {
+    // Committed steps, then the steps being saved; never cached.
+    std::vector<DirEntry> entries;
+    for (int64_t i = 0; i < tree->EntryCount(*n); ++i)
+      entries.push_back(tree->EntryAt(*n, i));
+    for (const SaveNode& step : s.saves->Steps())
+      entries.push_back(ListedSave(step));
+    std::sort(
+        entries.begin(), entries.end(),
+        [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
+    fi->fh =
+        reinterpret_cast<uint64_t>(new Handle(ino, std::move(entries), tree));
+    if (fuse_reply_open(req, fi) != 0) delete HandleOf(fi);
   } else {
     fi->fh = reinterpret_cast<uint64_t>(new Handle(tree, n));
     // The root's listing is the same in every generation; others never change.
@@ -304,28 +438,36 @@ void OnReleasedir(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
 void ReplyDir(fuse_req_t req, size_t size, off_t offset, fuse_file_info* fi,
               bool plus) {
   Server& s = Get(req);
-  const Tree& tree = *HandleOf(fi)->tree;
-  const Node* dir = HandleOf(fi)->node;
+  const Handle& h = *HandleOf(fi);
+  const Tree* tree = h.tree.get();
+  const Node* dir = h.node;
   std::vector<char> buf(size);
   size_t used = 0;
-  const off_t total = 2 + tree.EntryCount(*dir);
+  const off_t total = 2 + (h.listing ? static_cast<off_t>(h.listing->size())
+                                     : tree->EntryCount(*dir));
   for (off_t i = offset; i < total; ++i) {
     fuse_entry_param e = {};
     DirEntry entry;
     if (i < 2) {
       entry.name = i == 0 ? "." : "..";
-      const Node* n = i == 0 || dir->parent == 0 ? dir : tree.Get(dir->parent);
-      e.attr = Attr(s, tree, *n);
+      if (dir != nullptr) {
+        const Node* n =
+            i == 0 || dir->parent == 0 ? dir : tree->Get(dir->parent);
+        e.attr = Attr(s, *tree, *n);
+      } else {
+        e.attr.st_ino = i == 0 ? h.save_ino : kRootIno;
+        e.attr.st_mode = S_IFDIR | 0755;
+      }
       // "." and ".." are not looked up by the kernel: no entry to count.
     } else {
-      entry = tree.EntryAt(*dir, i - 2);
+      entry = h.listing ? (*h.listing)[i - 2] : tree->EntryAt(*dir, i - 2);
       if (entry.node != nullptr) {
-        e = Entry(s, tree, *entry.node);
+        e = Entry(s, *tree, *entry.node);
       } else {
-        // A sample: named with its inode number but no entry (ino 0), so
-        // that listing samples/ makes no nodes; a later lookup makes one.
+        // A sample or a file being saved: named with its inode number but
+        // no entry (ino 0), so that listing makes no nodes; a lookup will.
         e.attr.st_ino = entry.ino;
-        e.attr.st_mode = S_IFREG | 0444;
+        e.attr.st_mode = entry.mode;
       }
     }
     size_t n = plus
@@ -335,7 +477,7 @@ void ReplyDir(fuse_req_t req, size_t size, off_t offset, fuse_file_info* fi,
                                        entry.name.c_str(), &e.attr, i + 1);
     if (n > size - used) break;
     used += n;
-    if (plus && i >= 2 && e.ino != 0) tree.CountLookup(e.ino);
+    if (plus && i >= 2 && e.ino != 0) tree->CountLookup(e.ino);
   }
   fuse_reply_buf(req, buf.data(), used);
 }
@@ -370,15 +512,63 @@ void OnForgetMulti(fuse_req_t req, size_t count, fuse_forget_data* forgets) {
   fuse_reply_none(req);
 }
 
+// A file being saved: written straight into its blob, so never through the
+// page cache (direct I/O: one request per write of up to 1 MiB).
+void OpenSaved(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi,
+               bool writing) {
+  Server& s = Get(req);
+  std::optional<SaveNode> n = s.saves->Get(ino);
+  if (!n) {
+    fuse_reply_err(req, ENOENT);
+    return;
+  }
+  if (n->dir) {
+    fuse_reply_err(req, EISDIR);
+    return;
+  }
+  std::shared_ptr<ShardFile> file = s.saves->FileOf(ino);
+  if (writing && (fi->flags & O_TRUNC)) {
+    absl::StatusOr<std::shared_ptr<ShardFile>> fresh = s.saves->Rewrite(ino);
+    if (!fresh.ok()) {
+      fuse_reply_err(req, ToErrno(fresh.status()));
+      return;
+    }
+    file = *fresh;
+  }
+  if (file == nullptr) {
+    fuse_reply_err(req, ENOENT);
+    return;
+  }
+  fi->fh = reinterpret_cast<uint64_t>(new Handle(ino, file, n->committed));
+  fi->direct_io = 1;
+  if (fuse_reply_open(req, fi) != 0) delete HandleOf(fi);
+}
+
 void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
-  std::shared_ptr<const Tree> tree = Get(req).TreeOf(ino);
-  const Node* n = tree ? tree->Get(ino) : nullptr;
   const bool writing =
       (fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC);
+  if (SaveArea::Owns(ino)) {
+    OpenSaved(req, ino, fi, writing);
+    return;
+  }
+  std::shared_ptr<const Tree> tree = Get(req).TreeOf(ino);
+  const Node* n = tree ? tree->Get(ino) : nullptr;
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
   } else if (n->kind == NodeKind::kDir) {
     fuse_reply_err(req, EISDIR);
+  } else if (writing && n->view >= 0 && n->shard < 0 && (fi->flags & O_TRUNC)) {
+    // A save of a committed step's shard (a replica that closes after the
+    // commit, a repeated save): accepted only if identical.
+    absl::StatusOr<std::shared_ptr<ShardFile>> scratch =
+        ShardFile::Scratch(Get(req).store->blob_dir());
+    if (!scratch.ok()) {
+      fuse_reply_err(req, ToErrno(scratch.status()));
+      return;
+    }
+    fi->fh = reinterpret_cast<uint64_t>(new Handle(tree, n, *scratch));
+    fi->direct_io = 1;
+    if (fuse_reply_open(req, fi) != 0) delete HandleOf(fi);
   } else if (writing && !(n->mode & 0200)) {
     fuse_reply_err(req, EACCES);
   } else {
@@ -400,6 +590,7 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
 void OnRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
   Server& s = Get(req);
   const bool old =
+      HandleOf(fi)->tree != nullptr &&
       HandleOf(fi)->tree->generation() < s.TreeOf(kRootIno)->generation();
   delete HandleOf(fi);
   fuse_reply_err(req, 0);
@@ -409,6 +600,17 @@ void OnRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
 void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
             fuse_file_info* fi) {
   const Handle& h = *HandleOf(fi);
+  if (h.file != nullptr) {
+    std::unique_ptr<char[]> buf(new char[size]);
+    absl::StatusOr<int64_t> got =
+        h.file->Read(buf.get(), static_cast<int64_t>(size), offset);
+    if (!got.ok()) {
+      fuse_reply_err(req, ToErrno(got.status()));
+      return;
+    }
+    fuse_reply_buf(req, buf.get(), *got);
+    return;
+  }
   if (h.node->live) {
     const std::string& text = h.snapshot;
     const size_t at = std::min<size_t>(offset, text.size());
@@ -430,6 +632,30 @@ void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
 void OnSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
                fuse_file_info*) {
   Server& s = Get(req);
+  if (SaveArea::Owns(ino)) {
+    // A file being saved may be emptied (O_TRUNC without atomic truncation);
+    // modes and times are accepted and not kept.
+    std::optional<SaveNode> n = s.saves->Get(ino);
+    std::shared_ptr<ShardFile> file = s.saves->FileOf(ino);
+    if (!n) {
+      fuse_reply_err(req, ENOENT);
+      return;
+    }
+    if (to_set & FUSE_SET_ATTR_SIZE) {
+      if (file == nullptr || attr->st_size != 0) {
+        fuse_reply_err(req, EINVAL);
+        return;
+      }
+      if (absl::Status t = file->Truncate(); !t.ok()) {
+        fuse_reply_err(req, ToErrno(t));
+        return;
+      }
+      n->size = 0;
+    }
+    struct stat st = SaveAttr(s, *n);
+    fuse_reply_attr(req, &st, 0);
+    return;
+  }
   std::shared_ptr<const Tree> tree = s.TreeOf(ino);
   const Node* n = tree ? tree->Get(ino) : nullptr;
   if (n == nullptr) {
@@ -564,7 +790,17 @@ void StopMaterialization(Server& s) {
 void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
              off_t offset, fuse_file_info* fi) {
   Server& s = Get(req);
-  const Handle& h = *HandleOf(fi);
+  Handle& h = *HandleOf(fi);
+  if (h.file != nullptr) {
+    absl::Status w = h.file->Write(data, static_cast<int64_t>(size), offset);
+    if (!w.ok()) {
+      fuse_reply_err(req, ToErrno(w));
+      return;
+    }
+    h.dirty = true;
+    fuse_reply_write(req, size);
+    return;
+  }
   if (!(h.node->mode & 0200)) {
     fuse_reply_err(req, EACCES);
     return;
@@ -609,6 +845,249 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
   ReapOldTrees(s);
 }
 
+// Drops the oldest steps beyond --keep-steps, sparing any step a handle of
+// any generation has open. Requires mu.
+void ApplyRetention(Server& s) {
+  if (s.keep_steps <= 0) return;
+  absl::StatusOr<std::vector<StepRecord>> steps = s.store->Steps();
+  if (!steps.ok()) return;
+  // Steps are in step order: all but the newest keep_steps go.
+  const int64_t older = static_cast<int64_t>(steps->size()) - s.keep_steps;
+  for (int64_t i = 0; i < older; ++i) {
+    const int64_t step = (*steps)[i].step;
+    bool open = false;
+    for (const auto& [generation, tree] : s.trees) open |= tree->StepOpen(step);
+    if (open) continue;  // a later commit tries again
+    if (absl::Status d = s.store->DeleteStep(step); !d.ok()) {
+      s.error = absl::StrCat("retention: ", d.message());
+      return;
+    }
+  }
+}
+
+// Commits a step whose every dp_rank 0 rank has a valid shard, applies the
+// retention, and switches new opens to a tree that shows it: `latest`
+// moves, and the data views follow the new position.
+absl::Status PublishStep(Server& s, int64_t step) {
+  std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
+  std::vector<std::string> names;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    RETURN_IF_ERROR(s.saves->Commit(step));
+    ApplyRetention(s);
+    if (s.current->generation() >= Tree::kMaxGeneration) {
+      return absl::ResourceExhaustedError(
+          "this mount has run out of generations: unmount and mount again");
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
+                     Tree::Build(*s.store, s.current->config(),
+                                 s.current->generation() + 1));
+    retired = Switch(s, std::shared_ptr<const Tree>(std::move(next)));
+    // A step saved under an earlier config is materialized like the rest.
+    absl::StatusOr<std::optional<StepRecord>> record = s.store->FindStep(step);
+    if (record.ok() && *record &&
+        (*record)->config != s.current->config().ToString()) {
+      StartMaterialization(s);
+    }
+    s.error.clear();  // the step is whole: earlier refusals are moot
+    names = RootNames(s);
+  }
+  InvalidateRoot(s, std::move(names));
+  ReapOldTrees(s);
+  return absl::OkStatus();
+}
+
+// In ckpt/, a step to save; in a step being saved, a rank's directory.
+void OnMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t) {
+  Server& s = Get(req);
+  absl::StatusOr<SaveNode> made = absl::PermissionDeniedError("read-only");
+  if (SaveArea::Owns(parent)) {
+    made = s.saves->Mkdir(parent, name);
+  } else {
+    std::shared_ptr<const Tree> tree = s.TreeOf(parent);
+    const Node* dir = tree ? tree->Get(parent) : nullptr;
+    absl::StatusOr<const Node*> existing =
+        tree ? tree->Lookup(parent, name)
+             : absl::StatusOr<const Node*>(nullptr);
+    if (dir == nullptr) {
+      made = absl::NotFoundError("no such directory");
+    } else if (existing.ok() && *existing != nullptr) {
+      made = absl::AlreadyExistsError(absl::StrCat(name, " exists"));
+    } else if (IsCkptDir(*dir)) {
+      made = s.saves->MkdirStep(name, tree->config());
+    }
+  }
+  if (!made.ok()) {
+    if (made.status().code() == absl::StatusCode::kInvalidArgument ||
+        made.status().code() == absl::StatusCode::kFailedPrecondition) {
+      ReportSaveError(s, made.status());
+    }
+    fuse_reply_err(req,
+                   made.status().code() == absl::StatusCode::kFailedPrecondition
+                       ? EROFS
+                       : ToErrno(made.status()));
+    return;
+  }
+  fuse_entry_param e = SaveEntry(s, *made);
+  fuse_reply_entry(req, &e);
+}
+
+void OnCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t,
+              fuse_file_info* fi) {
+  Server& s = Get(req);
+  if (!SaveArea::Owns(parent)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
+  auto created = s.saves->Create(parent, name);
+  if (!created.ok()) {
+    ReportSaveError(s, created.status());
+    fuse_reply_err(req, ToErrno(created.status()));
+    return;
+  }
+  fi->fh = reinterpret_cast<uint64_t>(new Handle(
+      created->first.ino, created->second, created->first.committed));
+  fi->direct_io = 1;
+  fuse_entry_param e = SaveEntry(s, created->first);
+  if (fuse_reply_create(req, &e, fi) != 0) delete HandleOf(fi);
+}
+
+// Whether a shard written over a committed model.safetensors holds the
+// same tensors' bytes (headers differ: scalai.rank).
+absl::Status SameAsCommitted(const Tree& tree, const Node& node,
+                             ShardFile& file) {
+  const std::string label =
+      absl::StrCat(tree.Get(tree.Get(node.parent)->parent)->name, "/",
+                   tree.Get(node.parent)->name, "/model.safetensors");
+  char first8[8];
+  ASSIGN_OR_RETURN(int64_t got, file.Read(first8, 8, 0));
+  uint64_t length = 0;
+  if (got == 8) std::memcpy(&length, first8, 8);
+  const int64_t start = 8 + static_cast<int64_t>(length);
+  const int64_t committed_start = static_cast<int64_t>(node.text.size());
+  const int64_t bytes = node.size - committed_start;
+  bool same = got == 8 && file.size() - start == bytes;
+  constexpr int64_t kChunk = 1 << 20;
+  std::vector<char> a(kChunk), b(kChunk);
+  for (int64_t at = 0; same && at < bytes; at += kChunk) {
+    const int64_t n = std::min(kChunk, bytes - at);
+    ASSIGN_OR_RETURN(int64_t got_a, file.Read(a.data(), n, start + at));
+    ASSIGN_OR_RETURN(int64_t got_b,
+                     tree.Read(node, committed_start + at, n, b.data()));
+    same = got_a == n && got_b == n && std::memcmp(a.data(), b.data(), n) == 0;
+  }
+  if (same) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      label, ": differs from the committed shard (a committed step never ",
+      "changes; a data-parallel copy must be identical)"));
+}
+
+// close(): a written shard is checked here, so that its writer sees EIO
+// (RELEASE's result reaches nobody), and the step commits once complete.
+void OnFlush(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  Server& s = Get(req);
+  Handle& h = *HandleOf(fi);
+  if (h.file == nullptr || !h.dirty) {
+    fuse_reply_err(req, 0);
+    return;
+  }
+  h.dirty = false;
+  absl::Status same = absl::OkStatus();
+  absl::StatusOr<bool> complete = false;
+  bool verify = h.verify_saved;
+  if (h.node == nullptr && !verify) {
+    complete = s.saves->Close(ino, h.file);
+    verify = complete.status().code() == absl::StatusCode::kAborted;
+  }
+  if (h.node != nullptr) {
+    same = SameAsCommitted(*h.tree, *h.node, *h.file);
+  } else if (verify) {
+    // The step committed while this file was open: find it in the tree.
+    std::optional<SaveNode> n = s.saves->Get(ino);
+    std::shared_ptr<const Tree> tree = s.TreeOf(kRootIno);
+    const Node* file = nullptr;
+    if (n) {
+      const Node* at = tree->Get(kRootIno);
+      for (const std::string& name :
+           {std::string("ckpt"), absl::StrFormat("step-%08d", n->step),
+            absl::StrFormat("rank-%05d", n->rank),
+            std::string("model.safetensors")}) {
+        absl::StatusOr<const Node*> next =
+            at ? tree->Lookup(at->ino, name) : nullptr;
+        at = next.ok() ? *next : nullptr;
+      }
+      file = at;
+    }
+    same = file != nullptr ? SameAsCommitted(*tree, *file, *h.file)
+                           : absl::NotFoundError("the committed step is gone");
+  }
+  if (h.node != nullptr || verify) {
+    if (!same.ok()) ReportSaveError(s, same);
+    fuse_reply_err(req, same.ok() ? 0 : EIO);
+    return;
+  }
+  absl::Status result = complete.status();
+  if (complete.ok() && *complete) {
+    std::optional<SaveNode> n = s.saves->Get(ino);
+    if (n) result = PublishStep(s, n->step);
+  }
+  if (!result.ok()) {
+    ReportSaveError(s, result);
+    fuse_reply_err(req, result.code() == absl::StatusCode::kResourceExhausted
+                            ? ENOSPC
+                            : EIO);
+    return;
+  }
+  fuse_reply_err(req, 0);
+}
+
+void OnFsync(fuse_req_t req, fuse_ino_t, int, fuse_file_info* fi) {
+  const Handle& h = *HandleOf(fi);
+  absl::Status synced = h.file != nullptr ? h.file->Sync() : absl::OkStatus();
+  fuse_reply_err(req, synced.ok() ? 0 : ToErrno(synced));
+}
+
+// `rm -r` of a step being saved: its files, then its directories.
+void OnUnlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  Server& s = Get(req);
+  if (!SaveArea::Owns(parent)) {
+    fuse_reply_err(req, EACCES);
+    return;
+  }
+  absl::Status removed = s.saves->Unlink(parent, name);
+  int err = 0;
+  if (!removed.ok()) {
+    err = removed.code() == absl::StatusCode::kFailedPrecondition
+              ? EISDIR
+              : ToErrno(removed);
+  }
+  fuse_reply_err(req, err);
+}
+
+void OnRmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  Server& s = Get(req);
+  uint64_t in = parent;
+  if (!SaveArea::Owns(parent)) {
+    std::shared_ptr<const Tree> tree = s.TreeOf(parent);
+    const Node* dir = tree ? tree->Get(parent) : nullptr;
+    if (dir == nullptr || !IsCkptDir(*dir) || !s.saves->LookupStep(name)) {
+      // Committed steps and the rest of the tree are read-only.
+      fuse_reply_err(req, EACCES);
+      return;
+    }
+    in = 0;  // a step's own directory
+  }
+  absl::Status removed = s.saves->Rmdir(in, name);
+  int err = 0;
+  if (!removed.ok()) {
+    err = absl::StrContains(removed.message(), "not empty") ? ENOTEMPTY
+          : absl::StrContains(removed.message(), "not a directory")
+              ? ENOTDIR
+              : ToErrno(removed);
+  }
+  fuse_reply_err(req, err);
+}
+
 }  // namespace
 
 absl::Status ServeMount(Store& store, std::unique_ptr<Tree> tree,
@@ -619,6 +1098,8 @@ absl::Status ServeMount(Store& store, std::unique_ptr<Tree> tree,
   server.gid = getgid();
   clock_gettime(CLOCK_REALTIME, &server.start);
   server.current = std::shared_ptr<const Tree>(std::move(tree));
+  server.saves = std::make_unique<SaveArea>(store);
+  server.keep_steps = options.keep_steps;
   server.trees[server.current->generation()] = server.current;
   fuse_lowlevel_ops ops = {};
   ops.init = OnInit;
@@ -636,6 +1117,12 @@ absl::Status ServeMount(Store& store, std::unique_ptr<Tree> tree,
   ops.read = OnRead;
   ops.write = OnWrite;
   ops.release = OnRelease;
+  ops.mkdir = OnMkdir;
+  ops.create = OnCreate;
+  ops.flush = OnFlush;
+  ops.fsync = OnFsync;
+  ops.unlink = OnUnlink;
+  ops.rmdir = OnRmdir;
 
   std::string mount_opts =
       absl::StrCat("fsname=scalai,subtype=scalai,max_read=", kMaxIo);
@@ -668,6 +1155,8 @@ absl::Status ServeMount(Store& store, std::unique_ptr<Tree> tree,
   }
   absl::Cleanup stop = [&server] {
     StopMaterialization(server);
+    // Steps not committed are discarded: their blobs go now.
+    server.saves->Clear();
     while (server.notifying.load() > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }

@@ -21,6 +21,9 @@ namespace scalai {
 struct MountOptions {
   std::string mountpoint;
   bool allow_other = false;
+  // After each step saved through the mount, keep the newest K steps
+  // (0: all); a step with a file open is kept until a later commit.
+  int keep_steps = 0;
   // Called once the mount exists, just before requests are served.
   std::function<void()> on_ready;
 };

@@ -100,6 +100,7 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
         at += s.bytes;
       }
     }
+    const size_t first_node = tree->nodes_.size();
     const uint64_t step_dir =
         tree->Add(ckpt, StepName(step.step), NodeKind::kDir, 0555).ino;
     for (int rank = 0; rank < config.world_size(); ++rank) {
@@ -160,6 +161,7 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
       }
       tree->Add(rank_dir, "extra", NodeKind::kDir, 0555);
     }
+    tree->step_nodes_[step.step] = {first_node, tree->nodes_.size()};
     tree->views_.push_back(std::move(view));
     tree->tensor_starts_.push_back(std::move(starts));
   }
@@ -403,6 +405,15 @@ std::vector<NodeRef> Tree::UnopenedReferencesDeepestFirst() const {
     }
   }
   return out;
+}
+
+bool Tree::StepOpen(int64_t step) const {
+  auto it = step_nodes_.find(step);
+  if (it == step_nodes_.end()) return false;
+  for (size_t i = it->second.first; i < it->second.second; ++i) {
+    if (counts_->opens[i].load() > 0) return true;
+  }
+  return false;
 }
 
 uint64_t Tree::lookups(uint64_t ino) const {

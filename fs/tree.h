@@ -10,10 +10,12 @@
 #ifndef SCALAI_FS_TREE_H_
 #define SCALAI_FS_TREE_H_
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <atomic>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -74,7 +76,8 @@ struct NodeRef {
 struct DirEntry {
   std::string name;
   uint64_t ino = 0;
-  const Node* node = nullptr;  // null for a sample not looked up
+  const Node* node = nullptr;    // null for a sample not looked up
+  mode_t mode = S_IFREG | 0444;  // when node is null
 };
 
 class Tree {
@@ -130,6 +133,8 @@ class Tree {
   // The nodes the kernel holds and no handle has open, each after everything
   // below it: what may be reported deleted once the tree is replaced.
   std::vector<NodeRef> UnopenedReferencesDeepestFirst() const;
+  // Whether a handle has a file of ckpt/step-N open (retention spares it).
+  bool StepOpen(int64_t step) const;
 
  private:
   Tree() = default;
@@ -181,6 +186,8 @@ class Tree {
     uint64_t ino_base = 0;               // see InoOf
   };
   std::vector<Dataset> datasets_;
+  // The nodes of each step's directory, by index: [first, end).
+  std::map<int64_t, std::pair<size_t, size_t>> step_nodes_;
   // Start of each tensor in a group's model.safetensors data: [view][group].
   std::vector<std::vector<std::vector<int64_t>>> tensor_starts_;
 };

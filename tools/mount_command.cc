@@ -34,6 +34,7 @@ struct MountCliOptions {
   std::string store, mountpoint, config;
   bool foreground = false;
   bool allow_other = false;
+  int keep_steps = 0;
 };
 
 absl::StatusOr<std::string> Absolute(const std::string& path) {
@@ -74,6 +75,7 @@ absl::Status Serve(const MountCliOptions& o,
   MountOptions mount;
   mount.mountpoint = o.mountpoint;
   mount.allow_other = o.allow_other;
+  mount.keep_steps = o.keep_steps;
   mount.on_ready = ready;
   return ServeMount(*store, std::move(tree), mount);
 }
@@ -265,6 +267,10 @@ Command AddMountCommand(CLI::App& root) {
                 "serve in this process until unmounted");
   app->add_flag("--allow-other", o->allow_other,
                 "let other users see the mount");
+  app->add_option("--keep-steps", o->keep_steps,
+                  "after each step saved through the mount, keep the newest "
+                  "K steps (default: all)")
+      ->check(CLI::PositiveNumber);
   return {app, [o] { return RunMount(*o); }};
 }
 

@@ -21,6 +21,7 @@
 #include "nlohmann/json.hpp"
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
+#include "transfer/shard_check.h"
 #include "xxhash.h"
 
 namespace scalai {
@@ -88,43 +89,16 @@ std::optional<int64_t> MetadataCount(const SafetensorsHeader& h,
   return n;
 }
 
-// Checks that `file` holds exactly the tensors `shards` says, and returns
-// where each lies in it.
+// Where each of `shards`' tensors lies in `file`, which must hold exactly
+// them (MatchShardHeader).
 absl::StatusOr<std::vector<ShardRecord::Location>> MatchShards(
     const Model& model, const std::vector<TensorShard>& shards,
     const SourceFile& file, int blob, absl::string_view where) {
-  std::map<absl::string_view, const SafetensorsEntry*> entries;
-  for (const SafetensorsEntry& e : file.header.tensors()) entries[e.name] = &e;
+  ASSIGN_OR_RETURN(
+      std::vector<int64_t> offsets,
+      MatchShardHeader(model, shards, file.header, file.label, where));
   std::vector<ShardRecord::Location> locations;
-  for (const TensorShard& s : shards) {
-    auto it = entries.find(s.local_name);
-    if (it == entries.end()) {
-      return UserError(file.label, absl::StrCat("tensor ", s.local_name,
-                                                " is missing (the layout",
-                                                " places it on ", where, ")"));
-    }
-    const SafetensorsEntry& e = *it->second;
-    const TensorInfo& t = model.tensor(s.tensor);
-    if (e.dtype != t.dtype) {
-      return UserError(
-          file.label,
-          absl::StrCat("tensor ", s.local_name, " is ", DTypeName(e.dtype),
-                       ", expected ", DTypeName(t.dtype)));
-    }
-    if (e.shape != s.local_shape) {
-      return UserError(file.label,
-                       absl::StrCat("tensor ", s.local_name, ": expected ",
-                                    ShapeToString(s.local_shape), " on ", where,
-                                    ", got ", ShapeToString(e.shape)));
-    }
-    locations.push_back({blob, file.header.data_start() + e.data_begin});
-    entries.erase(it);
-  }
-  if (!entries.empty()) {
-    return UserError(file.label,
-                     absl::StrCat("tensor ", entries.begin()->first,
-                                  " is not one the layout places on ", where));
-  }
+  for (int64_t at : offsets) locations.push_back({blob, at});
   return locations;
 }
 

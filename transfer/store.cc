@@ -267,6 +267,38 @@ absl::StatusOr<std::map<std::string, BlobRecord>> Store::Blobs() const {
   return blobs;
 }
 
+absl::Status Store::DeleteStep(int64_t step) {
+  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
+  std::set<std::string> mine, others;
+  bool found = false;
+  for (const StepRecord& s : steps) {
+    found |= s.step == step;
+    for (int g = 0; g < s.groups; ++g) {
+      ASSIGN_OR_RETURN(ShardRecord shard, Shard(s.step, g));
+      (s.step == step ? mine : others)
+          .insert(shard.blobs.begin(), shard.blobs.end());
+    }
+  }
+  if (!found) return absl::NotFoundError(absl::StrCat("no step ", step));
+  Catalog::Batch batch;
+  batch.Delete(Table::kSteps, StepKey(step));
+  for (const StepRecord& s : steps) {
+    if (s.step != step) continue;
+    for (int g = 0; g < s.groups; ++g)
+      batch.Delete(Table::kShards, ShardKey(step, g));
+  }
+  std::vector<std::string> freed;
+  for (const std::string& blob : mine) {
+    if (others.contains(blob)) continue;
+    batch.Delete(Table::kBlobs, blob);
+    freed.push_back(blob);
+  }
+  RETURN_IF_ERROR(catalog_->Commit(batch));
+  // A crash here leaves orphans, which the next open removes.
+  for (const std::string& blob : freed) unlink(BlobPath(blob).c_str());
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::map<std::string, DatasetRecord>> Store::Datasets() const {
   ASSIGN_OR_RETURN(auto records, catalog_->Scan(Table::kDatasets));
   std::map<std::string, DatasetRecord> datasets;

@@ -124,6 +124,9 @@ class Store {
   absl::StatusOr<StepRecord> ResolveStep(std::optional<int64_t> step) const;
   absl::StatusOr<ShardRecord> Shard(int64_t step, int group) const;
   absl::StatusOr<std::map<std::string, BlobRecord>> Blobs() const;
+  // Removes a step: its records, and the blobs no other step uses (their
+  // files after the catalog commit).
+  absl::Status DeleteStep(int64_t step);
   // Every registered dataset, by name.
   absl::StatusOr<std::map<std::string, DatasetRecord>> Datasets() const;
   // The placement that a step's shards are stored under.

@@ -1,0 +1,229 @@
+#!/usr/bin/python3
+"""Saving checkpoints through a real mount (SPEC section 3, "Saving a
+checkpoint through the mount"). Eight processes, one per rank of
+tp=2,pp=2,dp=2, each write their model.safetensors with the test's own
+safetensors writer and fsync it; the step commits when the last dp_rank 0
+rank closes, `latest` moves, and the step read back under other configs
+equals numpy slicing. Each kind of bad shard fails its close() with EIO and
+`status` names the reason; the step stays uncommitted until a good file is
+written again or the step is removed. A step left unfinished at unmount is
+gone at the next mount; --keep-steps drops old steps but never an open one;
+the data views follow the newest step. Exits 77 only where /dev/fuse is
+missing."""
+import errno
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dataset_files import write_jsonl  # noqa
+from reference import random_gpt, scalai, write_safetensors  # noqa
+from views import check_bytes, expected, status, wait_ready  # noqa
+
+BIN = sys.argv[1]
+MNT = []  # the test's mountpoint, for the cleanup
+LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, DIVISOR = 4, 64, 8, 4, 128, 203, 8
+SAVED = "tp=2,pp=2,dp=2"
+LAYOUT = ["--layout", "megatron-core-gpt", "--param", f"vocab_size={VOCAB}",
+          "--param", "gated_linear_unit=1", "--param", f"make_vocab_size_divisible_by={DIVISOR}"]
+
+
+def run(*args, expect=0):
+    return scalai(BIN, *args, expect=expect)
+
+
+def save_rank(path, tensors, metadata):
+    """One worker: makes its directory and writes its shard, then fsyncs."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_safetensors(path, tensors, metadata)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def save_step(mnt, step, shards, config, extra_meta=None):
+    """All ranks at once, each in its own process."""
+    procs = []
+    for rank, tensors in shards.items():
+        meta = {"scalai.step": str(step), "scalai.rank": str(rank)}
+        meta.update(extra_meta or {})
+        p = multiprocessing.Process(target=save_rank, args=(
+            f"{mnt}/ckpt/step-{step:08d}/rank-{rank:05d}/model.safetensors", tensors, meta))
+        p.start()
+        procs.append(p)
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0, (p.exitcode, status(mnt))
+
+
+def write_bad(path, data):
+    """Writes `data` to `path` and returns the errno of close(), or 0."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.write(fd, data)
+    try:
+        os.close(fd)
+        return 0
+    except OSError as e:
+        return e.errno
+
+
+def safetensors_bytes(tensors, metadata=None):
+    with tempfile.NamedTemporaryFile() as f:
+        write_safetensors(f.name, tensors, metadata)
+        return open(f.name, "rb").read()
+
+
+def latest(mnt):
+    return os.readlink(f"{mnt}/ckpt/latest")
+
+
+def main():
+    if not os.path.exists("/dev/fuse"):
+        print("no /dev/fuse: skipped")
+        sys.exit(77)
+    seed = int(os.environ.get("SCALAI_TEST_SEED", random.randrange(1 << 30)))
+    print(f"seed {seed} (SCALAI_TEST_SEED={seed} repeats this run)")
+    rng = np.random.default_rng(seed)
+    full = random_gpt(rng, LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, gated=True)
+    full2 = {k: (v * 2 + 1).astype(v.dtype) for k, v in full.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, store, mnt = f"{tmp}/src", f"{tmp}/store", f"{tmp}/mnt"
+        os.makedirs(mnt)
+        MNT.append(mnt)
+        want = expected(full, SAVED, LAYERS, DIVISOR)
+        for rank in (0, 1, 4, 5):
+            os.makedirs(f"{src}/rank-{rank:05d}")
+            write_safetensors(f"{src}/rank-{rank:05d}/model.safetensors", want[rank])
+        run("init", store, *LAYOUT)
+        run("import", store, src, "--config", SAVED, "--step", "100")
+        write_jsonl(f"{tmp}/d.jsonl", [{"i": i} for i in range(400)])
+        run("dataset", "add", store, "d", "--format", "jsonl", "--global-batch", "4", f"{tmp}/d.jsonl")
+        run("mount", store, mnt)
+
+        # Every rank saves step 200 at once, replicas included.
+        save_step(mnt, 200, expected(full2, SAVED, LAYERS, DIVISOR), SAVED,
+                  {"scalai.consumed_samples": "204"})
+        assert latest(mnt) == "step-00000200", latest(mnt)
+        st = status(mnt)
+        assert st["saving"] == [] and st["error"] is None, st
+        check_bytes(mnt, full2, SAVED, LAYERS, DIVISOR)
+        assert json.load(open(f"{mnt}/data/d/dataset.json"))["position"] == 204
+        # Read back under other configs, through reconfiguration.
+        for config in ("tp=1,pp=2,dp=1", "tp=4,pp=1,dp=1"):
+            run("reconfigure", mnt, config, "--wait")
+            check_bytes(mnt, full2, config, LAYERS, DIVISOR)
+        run("reconfigure", mnt, SAVED, "--wait")
+        print("saved by 8 processes, committed, read back under 2 other configs")
+
+        # Bad shards: each fails its close with EIO and a reason in status.
+        good = expected(full, SAVED, LAYERS, DIVISOR)[1]
+        name = "decoder.layers.0.mlp.linear_fc2.weight"
+        wrong_shape = dict(good)
+        wrong_shape[name] = np.zeros((good[name].shape[0], good[name].shape[1] * 2), np.float32)
+        renamed = {("decoder.layers.0.mlp.linear_fc9.weight" if k == name else k): v
+                   for k, v in good.items()}
+        missing = {k: v for k, v in good.items() if k != name}
+        extra = dict(good)
+        extra["decoder.layers.0.mlp.surprise.weight"] = np.zeros(3, np.float32)
+        wrong_dtype = dict(good)
+        wrong_dtype[name] = good[name].astype(np.float64)
+        whole = safetensors_bytes(good)
+        cases = [
+            ("wrong shape", safetensors_bytes(wrong_shape),
+             f"tensor {name}: expected [64, 64] on rank 1 (tp_rank 1, pp_rank 0), got [64, 128]"),
+            ("wrong name", safetensors_bytes(renamed), "tensor decoder.layers.0.mlp.linear_fc2.weight is missing"),
+            ("missing tensor", safetensors_bytes(missing), f"tensor {name} is missing"),
+            ("extra tensor", safetensors_bytes(extra),
+             "tensor decoder.layers.0.mlp.surprise.weight is not one the layout places on rank 1"),
+            ("wrong dtype", safetensors_bytes(wrong_dtype), f"tensor {name} is F64, expected F32"),
+            ("bad header", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all", "rank-00001/model.safetensors:"),
+            ("truncated data", whole[:-100], "rank-00001/model.safetensors:"),
+        ]
+        step_dir = f"{mnt}/ckpt/step-00000300"
+        os.makedirs(f"{step_dir}/rank-00001")
+        for what, data, reason in cases:
+            err = write_bad(f"{step_dir}/rank-00001/model.safetensors", data)
+            st = status(mnt)
+            assert err == errno.EIO, (what, err)
+            assert st["error"] and reason in st["error"], (what, st["error"])
+            assert st["saving"] == [{"step": 300, "waiting_for": [0, 1, 4, 5]}], (what, st)
+            assert latest(mnt) == "step-00000200"
+            print(f"refused ({what}): {st['error']}")
+        # A differing replica (rank 3 is rank 1's dp copy).
+        os.makedirs(f"{step_dir}/rank-00003")
+        assert write_bad(f"{step_dir}/rank-00001/model.safetensors", whole) == 0
+        other = safetensors_bytes(expected(full2, SAVED, LAYERS, DIVISOR)[1])
+        assert write_bad(f"{step_dir}/rank-00003/model.safetensors", other) == errno.EIO
+        assert "differs from its replica rank-00001" in status(mnt)["error"], status(mnt)
+        # Not committed: the other ranks' files stay until the step is removed.
+        assert sorted(os.listdir(step_dir)) == ["rank-00001", "rank-00003"]
+        assert open(f"{step_dir}/rank-00001/model.safetensors", "rb").read() == whole
+        shutil.rmtree(step_dir)
+        assert not os.path.exists(step_dir) and "step-00000300" not in os.listdir(f"{mnt}/ckpt")
+        # Rewriting a refused file commits the step.
+        save_step(mnt, 300, {r: expected(full, SAVED, LAYERS, DIVISOR)[r] for r in (0, 4, 5)},
+                  SAVED)
+        assert latest(mnt) == "step-00000200"
+        os.mkdir(f"{mnt}/ckpt/step-00000300/rank-00001")
+        assert write_bad(f"{mnt}/ckpt/step-00000300/rank-00001/model.safetensors",
+                         safetensors_bytes(wrong_shape)) == errno.EIO
+        err = write_bad(f"{mnt}/ckpt/step-00000300/rank-00001/model.safetensors", whole)
+        assert err == 0, (err, status(mnt))
+        assert latest(mnt) == "step-00000300", latest(mnt)
+        check_bytes(mnt, full, SAVED, LAYERS, DIVISOR)
+        assert status(mnt)["error"] is None, status(mnt)
+        # Names that are not steps or ranks are refused.
+        for bad, code in ((f"{mnt}/ckpt/step-7", errno.EINVAL),
+                          (f"{mnt}/ckpt/step-00000300", errno.EEXIST),
+                          (f"{mnt}/data/new", errno.EACCES)):
+            try:
+                os.mkdir(bad)
+                raise AssertionError(f"mkdir {bad} worked")
+            except OSError as e:
+                assert e.errno == code, (bad, e)
+        os.makedirs(f"{mnt}/ckpt/step-00000400")
+        try:
+            os.mkdir(f"{mnt}/ckpt/step-00000400/rank-00008")
+            raise AssertionError("rank 8 of a world of 8")
+        except OSError as e:
+            assert e.errno == errno.EINVAL, e
+        # An unfinished step at unmount is gone at the next mount.
+        save_step(mnt, 400, {0: expected(full, SAVED, LAYERS, DIVISOR)[0]}, SAVED)
+        run("umount", mnt)
+        run("fsck", store)
+        run("mount", store, mnt, "--keep-steps", "2")
+        assert sorted(os.listdir(f"{mnt}/ckpt")) == ["latest", "step-00000100", "step-00000200",
+                                                    "step-00000300"]
+        # Retention: a step with an open file is spared, then dropped later.
+        before = open(f"{mnt}/ckpt/step-00000100/rank-00000/model.safetensors", "rb").read()
+        held = open(f"{mnt}/ckpt/step-00000100/rank-00000/model.safetensors", "rb")
+        save_step(mnt, 500, expected(full, SAVED, LAYERS, DIVISOR), SAVED)
+        assert sorted(os.listdir(f"{mnt}/ckpt")) == ["latest", "step-00000100", "step-00000300",
+                                                    "step-00000500"], os.listdir(f"{mnt}/ckpt")
+        assert held.read() == before  # its bytes stay while it is open
+        held.close()
+        save_step(mnt, 600, expected(full2, SAVED, LAYERS, DIVISOR), SAVED)
+        assert sorted(os.listdir(f"{mnt}/ckpt")) == ["latest", "step-00000500", "step-00000600"]
+        check_bytes(mnt, full2, SAVED, LAYERS, DIVISOR)
+        run("umount", mnt)
+        run("fsck", store)
+        info = json.loads(run("inspect", store, "--json").stdout)
+        assert [s["step"] for s in info["steps"]] == [500, 600], info["steps"]
+        assert info["blobs"] == len(os.listdir(f"{store}/blobs")), info
+    print("save_test: ok")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        if MNT:
+            subprocess.run(["fusermount3", "-u", "-q", MNT[0]], stderr=subprocess.DEVNULL)

@@ -1,0 +1,346 @@
+#include "transfer/step_writer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "ptc/safetensors.h"
+#include "ptc/status_macros.h"
+#include "transfer/shard_check.h"
+
+namespace scalai {
+namespace {
+
+constexpr int64_t kChunk = 1 << 20;
+
+std::string Label(int rank) {
+  return absl::StrFormat("rank-%05d/model.safetensors", rank);
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<ShardFile>> ShardFile::Scratch(
+    const std::string& dir) {
+  std::shared_ptr<ShardFile> file(new ShardFile());
+  file->path_ = dir + "/(scratch)";
+  file->hash_ = XXH3_createState();
+  XXH3_64bits_reset(file->hash_);
+  ASSIGN_OR_RETURN(file->fd_, OpenFile(dir, O_RDWR | O_TMPFILE, 0600));
+  return file;
+}
+
+ShardFile::~ShardFile() {
+  if (hash_ != nullptr) XXH3_freeState(hash_);
+}
+
+absl::Status ShardFile::Write(const char* data, int64_t size, int64_t offset) {
+  int64_t done = 0;
+  while (done < size) {
+    const ssize_t n =
+        pwrite(fd_.get(), data + done, size - done, offset + done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "write", path_);
+    }
+    done += n;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  size_ = std::max(size_, offset + size);
+  if (in_order_ && offset == hashed_) {
+    XXH3_64bits_update(hash_, data, size);
+    hashed_ += size;
+  } else if (offset + size > hashed_) {
+    in_order_ = false;  // read back at Digest
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardFile::Truncate() {
+  if (ftruncate(fd_.get(), 0) != 0) return ErrnoError(errno, "truncate", path_);
+  std::lock_guard<std::mutex> lock(mu_);
+  size_ = 0;
+  hashed_ = 0;
+  in_order_ = true;
+  XXH3_64bits_reset(hash_);
+  return absl::OkStatus();
+}
+
+absl::Status ShardFile::Sync() {
+  if (fdatasync(fd_.get()) != 0) return ErrnoError(errno, "fsync", path_);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> ShardFile::Read(char* out, int64_t size,
+                                        int64_t offset) const {
+  int64_t done = 0;
+  while (done < size) {
+    const ssize_t n = pread(fd_.get(), out + done, size - done, offset + done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "read", path_);
+    }
+    if (n == 0) break;
+    done += n;
+  }
+  return done;
+}
+
+int64_t ShardFile::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return size_;
+}
+
+absl::StatusOr<uint64_t> ShardFile::Digest() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (in_order_ && hashed_ == size_) return XXH3_64bits_digest(hash_);
+  XXH3_64bits_reset(hash_);
+  std::vector<char> buf(kChunk);
+  for (int64_t at = 0; at < size_; at += kChunk) {
+    const int64_t n = std::min(kChunk, size_ - at);
+    ASSIGN_OR_RETURN(int64_t got, Read(buf.data(), n, at));
+    if (got != n) return absl::DataLossError(absl::StrCat(path_, " shrank"));
+    XXH3_64bits_update(hash_, buf.data(), n);
+  }
+  hashed_ = size_;
+  in_order_ = true;
+  return XXH3_64bits_digest(hash_);
+}
+
+StepWriter::StepWriter(Store& store, int64_t step,
+                       std::shared_ptr<const Placement> placement)
+    : store_(store), step_(step), placement_(std::move(placement)) {
+  valid_.resize(placement_->config().world_size());
+}
+
+StepWriter::~StepWriter() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (committed_) return;
+  for (const std::string& blob : blobs_) unlink(store_.BlobPath(blob).c_str());
+}
+
+absl::StatusOr<std::unique_ptr<StepWriter>> StepWriter::Create(
+    Store& store, int64_t step, const ParallelConfig& config) {
+  if (store.model() == nullptr) {
+    return absl::FailedPreconditionError(
+        "the store does not know its model yet: import a first checkpoint");
+  }
+  ASSIGN_OR_RETURN(std::optional<StepRecord> existing, store.FindStep(step));
+  if (existing) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("step ", step, " is already committed"));
+  }
+  ASSIGN_OR_RETURN(Placement p,
+                   Placement::Create(store.layout(), store.model(), config));
+  return std::unique_ptr<StepWriter>(new StepWriter(
+      store, step, std::make_shared<const Placement>(std::move(p))));
+}
+
+absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::Open(int rank) {
+  if (rank < 0 || rank >= config().world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is not a rank of ", config().ToString()));
+  }
+  std::shared_ptr<ShardFile> file(new ShardFile());
+  file->blob_ = Store::NewBlobName();
+  file->path_ = store_.BlobPath(file->blob_);
+  file->hash_ = XXH3_createState();
+  XXH3_64bits_reset(file->hash_);
+  {
+    // Recorded first, so that the file is removed whatever happens next.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (committed_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", step_, " is already committed"));
+    }
+    blobs_.insert(file->blob_);
+  }
+  ASSIGN_OR_RETURN(file->fd_,
+                   OpenFile(file->path_, O_RDWR | O_CREAT | O_EXCL, 0600));
+  return file;
+}
+
+absl::Status StepWriter::Check(int rank, ShardFile& file) {
+  const std::string label = Label(rank);
+  const int64_t size = file.size();
+  char first8[8];
+  ASSIGN_OR_RETURN(int64_t got, file.Read(first8, 8, 0));
+  if (got < 8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        label, ": ", size, " bytes: too short for a safetensors header"));
+  }
+  auto length =
+      SafetensorsHeader::ParseLength(absl::string_view(first8, 8), size);
+  if (!length.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": ", length.status().message()));
+  std::string prefix(8 + *length, '\0');
+  ASSIGN_OR_RETURN(got, file.Read(prefix.data(), prefix.size(), 0));
+  auto header = SafetensorsHeader::Parse(prefix, size);
+  if (!header.ok())
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": ", header.status().message()));
+  if (header->file_size() != size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(label, ": ", size, " bytes, but its header describes ",
+                     header->file_size(), " (truncated data?)"));
+  }
+  const RankCoords c = config().Coords(rank);
+  const std::string where = absl::StrCat("rank ", rank, " (tp_rank ", c.tp_rank,
+                                         ", pp_rank ", c.pp_rank, ")");
+  return MatchShardHeader(placement_->model(),
+                          placement_->shards(config().ShardGroup(rank)),
+                          *header, label, where)
+      .status();
+}
+
+absl::Status StepWriter::Close(int rank,
+                               const std::shared_ptr<ShardFile>& file) {
+  absl::Status checked = Check(rank, *file);
+  std::shared_ptr<ShardFile> replica;
+  int replica_rank = -1;
+  if (checked.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int group = config().ShardGroup(rank);
+    for (int r = 0; r < config().world_size(); ++r) {
+      if (r != rank && valid_[r] != nullptr &&
+          config().ShardGroup(r) == group) {
+        replica = valid_[r];
+        replica_rank = r;
+        break;
+      }
+    }
+  }
+  if (checked.ok() && replica != nullptr) {
+    // Replicas must hold the same tensor bytes; their headers may differ
+    // (scalai.rank), so the data after each header is compared.
+    auto data_start = [](ShardFile& f) -> absl::StatusOr<int64_t> {
+      char first8[8];
+      ASSIGN_OR_RETURN(int64_t got, f.Read(first8, 8, 0));
+      if (got < 8) return absl::DataLossError("short file");
+      uint64_t length;
+      std::memcpy(&length, first8, 8);
+      return static_cast<int64_t>(8 + length);
+    };
+    ASSIGN_OR_RETURN(int64_t a0, data_start(*file));
+    ASSIGN_OR_RETURN(int64_t b0, data_start(*replica));
+    bool same = file->size() - a0 == replica->size() - b0;
+    std::vector<char> a(kChunk), b(kChunk);
+    for (int64_t at = 0; same && at < file->size() - a0; at += kChunk) {
+      const int64_t n = std::min(kChunk, file->size() - a0 - at);
+      ASSIGN_OR_RETURN(int64_t got_a, file->Read(a.data(), n, a0 + at));
+      ASSIGN_OR_RETURN(int64_t got_b, replica->Read(b.data(), n, b0 + at));
+      same =
+          got_a == n && got_b == n && std::memcmp(a.data(), b.data(), n) == 0;
+    }
+    if (!same) {
+      checked = absl::InvalidArgumentError(absl::StrCat(
+          Label(rank), ": differs from its replica ", Label(replica_rank),
+          " (a data-parallel copy must be identical)"));
+    }
+  }
+  if (checked.ok()) {
+    auto digest = file->Digest();
+    if (!digest.ok()) checked = digest.status();
+  }
+  // A refused or replaced file keeps its blob until the step commits or
+  // goes: another handle may still be writing to it.
+  if (!checked.ok()) return checked;
+  std::lock_guard<std::mutex> lock(mu_);
+  valid_[rank] = file;
+  return absl::OkStatus();
+}
+
+void StepWriter::Forget(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (rank < 0 || rank >= static_cast<int>(valid_.size()) ||
+      valid_[rank] == nullptr || committed_) {
+    return;
+  }
+  valid_[rank] = nullptr;
+}
+
+std::vector<int> StepWriter::missing() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int> out;
+  for (int r = 0; r < config().world_size(); ++r) {
+    if (config().Coords(r).dp_rank == 0 && valid_[r] == nullptr)
+      out.push_back(r);
+  }
+  return out;
+}
+
+bool StepWriter::complete() const { return missing().empty(); }
+
+absl::Status StepWriter::Commit() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (committed_) return absl::OkStatus();
+  ASSIGN_OR_RETURN(std::optional<StepRecord> existing, store_.FindStep(step_));
+  if (existing) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("step ", step_, " is already committed"));
+  }
+  const ParallelConfig& cfg = config();
+  StepRecord record{step_, cfg.ToString(), placement_->num_groups(), 0,
+                    std::nullopt};
+  Catalog::Batch batch;
+  std::set<std::string> used;
+  for (int r = 0; r < cfg.world_size(); ++r) {
+    if (cfg.Coords(r).dp_rank != 0) continue;
+    if (valid_[r] == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", step_, ": ", Label(r), " is not saved yet"));
+    }
+    ShardFile& file = *valid_[r];
+    RETURN_IF_ERROR(file.Sync());
+    std::string prefix(8, '\0');
+    ASSIGN_OR_RETURN(int64_t got, file.Read(prefix.data(), 8, 0));
+    ASSIGN_OR_RETURN(int64_t length,
+                     SafetensorsHeader::ParseLength(prefix, file.size()));
+    prefix.resize(8 + length);
+    ASSIGN_OR_RETURN(got, file.Read(prefix.data(), prefix.size(), 0));
+    (void)got;
+    ASSIGN_OR_RETURN(SafetensorsHeader header,
+                     SafetensorsHeader::Parse(prefix, file.size()));
+    const int group = cfg.ShardGroup(r);
+    ASSIGN_OR_RETURN(
+        std::vector<int64_t> offsets,
+        MatchShardHeader(placement_->model(), placement_->shards(group), header,
+                         Label(r), ""));
+    ShardRecord shard;
+    shard.blobs = {file.blob()};
+    for (int64_t at : offsets) shard.tensors.push_back({0, at});
+    batch.Put(Table::kShards, ShardKey(step_, group),
+              Store::EncodeShard(shard));
+    ASSIGN_OR_RETURN(uint64_t digest, file.Digest());
+    batch.Put(Table::kBlobs, file.blob(),
+              Store::EncodeBlob({file.size(), digest, step_}));
+    record.bytes += header.data_bytes();
+    used.insert(file.blob());
+    if (r == 0) {
+      auto it = header.metadata().find("scalai.consumed_samples");
+      if (it != header.metadata().end()) {
+        int64_t n = 0;
+        if (absl::SimpleAtoi(it->second, &n) && n >= 0)
+          record.consumed_samples = n;
+      }
+    }
+  }
+  RETURN_IF_ERROR(SyncDir(store_.blob_dir()));
+  batch.Put(Table::kSteps, StepKey(step_), Store::EncodeStep(record));
+  RETURN_IF_ERROR(store_.catalog().Commit(batch));
+  committed_ = true;
+  // Replicas and earlier attempts are not part of the step.
+  for (const std::string& blob : blobs_) {
+    if (!used.contains(blob)) unlink(store_.BlobPath(blob).c_str());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace scalai

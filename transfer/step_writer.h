@@ -1,0 +1,122 @@
+// A StepWriter takes in one step as workers save it through the mount (SPEC
+// section 3, "Saving a checkpoint through the mount"). Each rank's
+// model.safetensors goes straight into a new blob of the store, with no
+// second copy; when its writer closes it, the header is checked against the
+// layout for that rank and the checksum taken. Once every rank with
+// dp_rank == 0 has closed a valid shard, Commit makes the blobs durable and
+// records the step in one catalog batch. Nothing is recorded before: a step
+// never committed leaves only blobs that no record names, which the next
+// open of the store removes (and the writer's destructor, when it runs).
+//
+//   ASSIGN_OR_RETURN(auto writer, StepWriter::Create(store, 200, config));
+//   ASSIGN_OR_RETURN(std::shared_ptr<ShardFile> file, writer->Open(rank));
+//   RETURN_IF_ERROR(file->Write(data, n, offset));
+//   RETURN_IF_ERROR(writer->Close(rank, file));
+//   if (writer->complete()) RETURN_IF_ERROR(writer->Commit());
+#ifndef SCALAI_TRANSFER_STEP_WRITER_H_
+#define SCALAI_TRANSFER_STEP_WRITER_H_
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "ptc/parallel_config.h"
+#include "ptc/placement.h"
+#include "transfer/files.h"
+#include "transfer/store.h"
+
+struct XXH3_state_s;
+
+namespace scalai {
+
+// One file being saved, backed by its own new blob. Writes may come from
+// several threads; the checksum is taken as the bytes arrive when they
+// arrive in order (one writer, as usual), else by reading the file back.
+class ShardFile {
+ public:
+  // A file with no name in `dir` (O_TMPFILE), gone when dropped: for bytes
+  // that are only compared, never kept.
+  static absl::StatusOr<std::shared_ptr<ShardFile>> Scratch(
+      const std::string& dir);
+  ~ShardFile();
+  ShardFile(const ShardFile&) = delete;
+  ShardFile& operator=(const ShardFile&) = delete;
+
+  absl::Status Write(const char* data, int64_t size, int64_t offset);
+  // Empties the file (open with O_TRUNC, or truncate to 0).
+  absl::Status Truncate();
+  // fdatasync: what the writer's fsync asks for.
+  absl::Status Sync();
+  // Reads back what was written; returns the bytes read.
+  absl::StatusOr<int64_t> Read(char* out, int64_t size, int64_t offset) const;
+  int64_t size() const;
+  const std::string& blob() const { return blob_; }
+  // XXH3 of the whole file as it is now.
+  absl::StatusOr<uint64_t> Digest();
+
+ private:
+  friend class StepWriter;
+  ShardFile() = default;
+
+  std::string blob_;
+  std::string path_;
+  UniqueFd fd_;
+  mutable std::mutex mu_;
+  int64_t size_ = 0;              // guarded by mu_
+  XXH3_state_s* hash_ = nullptr;  // guarded by mu_
+  int64_t hashed_ = 0;            // bytes fed to hash_; guarded by mu_
+  bool in_order_ = true;          // guarded by mu_
+};
+
+class StepWriter {
+ public:
+  // Refuses a step that is already committed, and a store that does not
+  // know its model yet (the first step comes by import).
+  static absl::StatusOr<std::unique_ptr<StepWriter>> Create(
+      Store& store, int64_t step, const ParallelConfig& config);
+  ~StepWriter();
+
+  int64_t step() const { return step_; }
+  const ParallelConfig& config() const { return placement_->config(); }
+
+  // A new, empty model.safetensors for `rank`. A rank may write its file
+  // again: the new one replaces the old when it closes valid.
+  absl::StatusOr<std::shared_ptr<ShardFile>> Open(int rank);
+  // Checks the rank's file as its writer closes it: a safetensors header
+  // with exactly the rank's tensors (names, dtypes, local shapes) and data
+  // to the end, equal to the bytes of its replicas. The error names the
+  // file and the tensor at fault; the file is then kept out of the step.
+  absl::Status Close(int rank, const std::shared_ptr<ShardFile>& file);
+  // The rank's file was removed: the step waits for a new one.
+  void Forget(int rank);
+  // Every rank with dp_rank == 0 has closed a valid shard.
+  bool complete() const;
+  // The dp_rank == 0 ranks still to close a valid shard, for `status`.
+  std::vector<int> missing() const;
+  // Syncs the blobs and records the step, atomically; the blobs then belong
+  // to the store. Extra replicas' blobs are removed.
+  absl::Status Commit();
+
+ private:
+  StepWriter(Store& store, int64_t step,
+             std::shared_ptr<const Placement> placement);
+  absl::Status Check(int rank, ShardFile& file);
+
+  Store& store_;
+  const int64_t step_;
+  const std::shared_ptr<const Placement> placement_;
+  mutable std::mutex mu_;
+  // Guarded by mu_: each rank's valid file, each blob made, and whether
+  // the step is committed.
+  std::vector<std::shared_ptr<ShardFile>> valid_;
+  std::set<std::string> blobs_;
+  bool committed_ = false;
+};
+
+}  // namespace scalai
+
+#endif  // SCALAI_TRANSFER_STEP_WRITER_H_
