@@ -334,6 +334,9 @@ struct Handle {
   // `>` closes a duplicate before anything is written.
   bool dirty = false;
   const bool verify_saved = false;
+  // A failed write (a full disk): close() reports it again rather than
+  // checking a file known to be incomplete.
+  absl::Status write_error;
   const std::optional<std::vector<DirEntry>> listing;
 };
 
@@ -794,6 +797,8 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
   if (h.file != nullptr) {
     absl::Status w = h.file->Write(data, static_cast<int64_t>(size), offset);
     if (!w.ok()) {
+      if (h.write_error.ok()) h.write_error = w;
+      h.dirty = true;
       fuse_reply_err(req, ToErrno(w));
       return;
     }
@@ -992,6 +997,11 @@ void OnFlush(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     return;
   }
   h.dirty = false;
+  if (!h.write_error.ok()) {
+    ReportSaveError(s, h.write_error);
+    fuse_reply_err(req, ToErrno(h.write_error));
+    return;
+  }
   absl::Status same = absl::OkStatus();
   absl::StatusOr<bool> complete = false;
   bool verify = h.verify_saved;
