@@ -166,7 +166,8 @@ absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::Open(int rank) {
   return file;
 }
 
-absl::Status StepWriter::Check(int rank, ShardFile& file) {
+absl::StatusOr<ShardFile::Checked> StepWriter::Check(int rank,
+                                                     ShardFile& file) {
   const std::string label = Label(rank);
   const int64_t size = file.size();
   char first8[8];
@@ -194,18 +195,29 @@ absl::Status StepWriter::Check(int rank, ShardFile& file) {
   const RankCoords c = config().Coords(rank);
   const std::string where = absl::StrCat("rank ", rank, " (tp_rank ", c.tp_rank,
                                          ", pp_rank ", c.pp_rank, ")");
-  return MatchShardHeader(placement_->model(),
-                          placement_->shards(config().ShardGroup(rank)),
-                          *header, label, where)
-      .status();
+  ShardFile::Checked checked;
+  ASSIGN_OR_RETURN(
+      checked.offsets,
+      MatchShardHeader(placement_->model(),
+                       placement_->shards(config().ShardGroup(rank)), *header,
+                       label, where));
+  checked.data_start = header->data_start();
+  checked.data_bytes = header->data_bytes();
+  auto it = header->metadata().find("scalai.consumed_samples");
+  int64_t n = 0;
+  if (it != header->metadata().end() && absl::SimpleAtoi(it->second, &n) &&
+      n >= 0) {
+    checked.consumed_samples = n;
+  }
+  return checked;
 }
 
 absl::Status StepWriter::Close(int rank,
                                const std::shared_ptr<ShardFile>& file) {
-  absl::Status checked = Check(rank, *file);
+  ASSIGN_OR_RETURN(ShardFile::Checked checked, Check(rank, *file));
   std::shared_ptr<ShardFile> replica;
   int replica_rank = -1;
-  if (checked.ok()) {
+  {
     std::lock_guard<std::mutex> lock(mu_);
     const int group = config().ShardGroup(rank);
     for (int r = 0; r < config().world_size(); ++r) {
@@ -217,42 +229,31 @@ absl::Status StepWriter::Close(int rank,
       }
     }
   }
-  if (checked.ok() && replica != nullptr) {
+  if (replica != nullptr) {
     // Replicas must hold the same tensor bytes; their headers may differ
     // (scalai.rank), so the data after each header is compared.
-    auto data_start = [](ShardFile& f) -> absl::StatusOr<int64_t> {
-      char first8[8];
-      ASSIGN_OR_RETURN(int64_t got, f.Read(first8, 8, 0));
-      if (got < 8) return absl::DataLossError("short file");
-      uint64_t length;
-      std::memcpy(&length, first8, 8);
-      return static_cast<int64_t>(8 + length);
-    };
-    ASSIGN_OR_RETURN(int64_t a0, data_start(*file));
-    ASSIGN_OR_RETURN(int64_t b0, data_start(*replica));
-    bool same = file->size() - a0 == replica->size() - b0;
+    const int64_t a0 = checked.data_start;
+    const int64_t b0 = replica->checked_.data_start;
+    bool same = checked.data_bytes == replica->checked_.data_bytes;
     std::vector<char> a(kChunk), b(kChunk);
-    for (int64_t at = 0; same && at < file->size() - a0; at += kChunk) {
-      const int64_t n = std::min(kChunk, file->size() - a0 - at);
+    for (int64_t at = 0; same && at < checked.data_bytes; at += kChunk) {
+      const int64_t n = std::min(kChunk, checked.data_bytes - at);
       ASSIGN_OR_RETURN(int64_t got_a, file->Read(a.data(), n, a0 + at));
       ASSIGN_OR_RETURN(int64_t got_b, replica->Read(b.data(), n, b0 + at));
       same =
           got_a == n && got_b == n && std::memcmp(a.data(), b.data(), n) == 0;
     }
     if (!same) {
-      checked = absl::InvalidArgumentError(absl::StrCat(
+      return absl::InvalidArgumentError(absl::StrCat(
           Label(rank), ": differs from its replica ", Label(replica_rank),
           " (a data-parallel copy must be identical)"));
     }
   }
-  if (checked.ok()) {
-    auto digest = file->Digest();
-    if (!digest.ok()) checked = digest.status();
-  }
+  RETURN_IF_ERROR(file->Digest().status());
   // A refused or replaced file keeps its blob until the step commits or
   // goes: another handle may still be writing to it.
-  if (!checked.ok()) return checked;
   std::lock_guard<std::mutex> lock(mu_);
+  file->checked_ = std::move(checked);
   valid_[rank] = file;
   return absl::OkStatus();
 }
@@ -299,38 +300,18 @@ absl::Status StepWriter::Commit() {
     }
     ShardFile& file = *valid_[r];
     RETURN_IF_ERROR(file.Sync());
-    std::string prefix(8, '\0');
-    ASSIGN_OR_RETURN(int64_t got, file.Read(prefix.data(), 8, 0));
-    ASSIGN_OR_RETURN(int64_t length,
-                     SafetensorsHeader::ParseLength(prefix, file.size()));
-    prefix.resize(8 + length);
-    ASSIGN_OR_RETURN(got, file.Read(prefix.data(), prefix.size(), 0));
-    (void)got;
-    ASSIGN_OR_RETURN(SafetensorsHeader header,
-                     SafetensorsHeader::Parse(prefix, file.size()));
     const int group = cfg.ShardGroup(r);
-    ASSIGN_OR_RETURN(
-        std::vector<int64_t> offsets,
-        MatchShardHeader(placement_->model(), placement_->shards(group), header,
-                         Label(r), ""));
     ShardRecord shard;
     shard.blobs = {file.blob()};
-    for (int64_t at : offsets) shard.tensors.push_back({0, at});
+    for (int64_t at : file.checked_.offsets) shard.tensors.push_back({0, at});
     batch.Put(Table::kShards, ShardKey(step_, group),
               Store::EncodeShard(shard));
     ASSIGN_OR_RETURN(uint64_t digest, file.Digest());
     batch.Put(Table::kBlobs, file.blob(),
               Store::EncodeBlob({file.size(), digest, step_}));
-    record.bytes += header.data_bytes();
+    record.bytes += file.checked_.data_bytes;
     used.insert(file.blob());
-    if (r == 0) {
-      auto it = header.metadata().find("scalai.consumed_samples");
-      if (it != header.metadata().end()) {
-        int64_t n = 0;
-        if (absl::SimpleAtoi(it->second, &n) && n >= 0)
-          record.consumed_samples = n;
-      }
-    }
+    if (r == 0) record.consumed_samples = file.checked_.consumed_samples;
   }
   RETURN_IF_ERROR(SyncDir(store_.blob_dir()));
   batch.Put(Table::kSteps, StepKey(step_), Store::EncodeStep(record));

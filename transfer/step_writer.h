@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -62,6 +63,16 @@ class ShardFile {
   friend class StepWriter;
   ShardFile() = default;
 
+  // What the last successful check found, for the commit and for
+  // comparing replicas without parsing the header again.
+  struct Checked {
+    std::vector<int64_t> offsets;  // of the shard group's tensors
+    int64_t data_start = 0;
+    int64_t data_bytes = 0;
+    std::optional<int64_t> consumed_samples;  // rank 0's metadata
+  };
+  Checked checked_;  // written by Close before the file is published
+
   std::string blob_;
   std::string path_;
   UniqueFd fd_;
@@ -104,7 +115,7 @@ class StepWriter {
  private:
   StepWriter(Store& store, int64_t step,
              std::shared_ptr<const Placement> placement);
-  absl::Status Check(int rank, ShardFile& file);
+  absl::StatusOr<ShardFile::Checked> Check(int rank, ShardFile& file);
 
   Store& store_;
   const int64_t step_;
