@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Saving a 1.93 GiB step (tp=2,pp=2,dp=1: four shard files, written by four
-# processes at once with 1 MiB writes, each ending with fsync) three ways in
+# processes at once with 1 MiB writes, each ending with fsync) four ways in
 # the same run, onto the same filesystem:
 #   direct           dd into a plain directory
+#   O_DIRECT         dd oflag=direct into a plain directory: the disk's own
+#                    rate, without the page cache (for orientation)
 #   passthrough_ll   dd through libfuse's passthrough_ll example (built from
 #                    the examples Debian's libfuse3-dev ships) into a plain
 #                    directory
@@ -36,12 +38,14 @@ gib=$(echo "$bytes / 1073741824" | bc -l)
 cat "$work"/ckpt/rank-*/model.safetensors > /dev/null  # sources in the page cache
 
 settle() { sync; sleep 3; }
-# Writes the four shards into DIR/rank-R<SUFFIX> at once; prints seconds.
+# Writes the four shards into DIR/rank-R<SUFFIX> at once, with dd's extra
+# flags FLAGS; prints seconds.
 write_all() {
-  local dir=$1 suffix=$2 t0 t1
+  local dir=$1 suffix=$2 flags=${3:-} t0 t1
   t0=$(date +%s.%N)
   for r in "${ranks[@]}"; do
-    dd if="$work/ckpt/rank-$r/model.safetensors" of="$dir/rank-$r$suffix" bs=1M conv=fsync status=none &
+    # shellcheck disable=SC2086
+    dd if="$work/ckpt/rank-$r/model.safetensors" of="$dir/rank-$r$suffix" bs=1M conv=fsync $flags status=none &
   done
   wait
   t1=$(date +%s.%N)
@@ -51,16 +55,17 @@ write_all() {
 mkdir -p "$work/mnt" "$work/pt" "$work/plain" "$work/under"
 "$pt" -o source="$work/under" "$work/pt"
 "$scalai" mount "$work/store" "$work/mnt" >/dev/null
-declare -a direct ptll mount
+declare -a direct odirect ptll mount
 step=2
 for ((round = 0; round < rounds; ++round)); do
-  order=(direct ptll mount)
-  ((round % 2)) && order=(mount ptll direct)
+  order=(direct odirect ptll mount)
+  ((round % 2)) && order=(mount ptll odirect direct)
   for what in "${order[@]}"; do
     rm -rf "$work"/plain/* "$work"/under/*
     settle
     case $what in
       direct) direct+=("$(write_all "$work/plain" "")") ;;
+      odirect) odirect+=("$(write_all "$work/plain" "" oflag=direct)") ;;
       ptll) ptll+=("$(write_all "$work/pt" "")") ;;
       mount)
         for r in "${ranks[@]}"; do mkdir -p "$work/mnt/ckpt/step-$(printf %08d $step)/rank-$r"; done
@@ -76,9 +81,11 @@ umount "$work/pt"
 
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
 rate() { printf '%.2f GiB/s' "$(echo "$gib / $1" | bc -l)"; }
-d=$(median "${direct[@]}"); p=$(median "${ptll[@]}"); m=$(median "${mount[@]}")
+d=$(median "${direct[@]}"); o=$(median "${odirect[@]}"); p=$(median "${ptll[@]}"); m=$(median "${mount[@]}")
 printf 'saving %.2f GiB (4 shards by 4 processes, 1 MiB writes, fsync each), median of %d\n' "$gib" "$rounds"
 printf '%-34s %6.2f s  %s   runs: %s\n' "direct (dd into a directory)" "$d" "$(rate "$d")" "${direct[*]}"
+printf '%-34s %6.2f s  %s   runs: %s\n' "O_DIRECT (dd oflag=direct)" "$o" "$(rate "$o")" "${odirect[*]}"
 printf '%-34s %6.2f s  %s   runs: %s\n' "passthrough_ll" "$p" "$(rate "$p")" "${ptll[*]}"
 printf '%-34s %6.2f s  %s   runs: %s\n' "scalai mount, until committed" "$m" "$(rate "$m")" "${mount[*]}"
-printf 'scalai vs passthrough_ll: %.2fx   scalai vs direct: %.2fx\n' "$(echo "$p / $m" | bc -l)" "$(echo "$d / $m" | bc -l)"
+printf 'scalai vs passthrough_ll: %.2fx   scalai vs direct: %.2fx   scalai vs O_DIRECT: %.2fx\n' \
+  "$(echo "$p / $m" | bc -l)" "$(echo "$d / $m" | bc -l)" "$(echo "$o / $m" | bc -l)"

@@ -51,15 +51,24 @@ absl::Status ShardFile::Write(const char* data, int64_t size, int64_t offset) {
     }
     done += n;
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  size_ = std::max(size_, offset + size);
-  if (in_order_ && offset == hashed_) {
-    XXH3_64bits_update(hash_, data, size);
-    hashed_ += size;
-  } else if (offset + size > hashed_) {
-    in_order_ = false;  // read back at Digest
+  WriteBehind::Spans due;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_ = std::max(size_, offset + size);
+    if (in_order_ && offset == hashed_) {
+      XXH3_64bits_update(hash_, data, size);
+      hashed_ += size;
+      due = behind_.Advance(hashed_);
+    } else if (offset + size > hashed_) {
+      in_order_ = false;  // read back at Digest
+    }
   }
-  return absl::OkStatus();
+  absl::Status streamed = WriteBehind::Apply(fd_.get(), due, path_);
+  if (!streamed.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (write_error_.ok()) write_error_ = streamed;
+  }
+  return streamed;
 }
 
 absl::Status ShardFile::Truncate() {
@@ -69,10 +78,16 @@ absl::Status ShardFile::Truncate() {
   hashed_ = 0;
   in_order_ = true;
   XXH3_64bits_reset(hash_);
+  behind_.Reset();
+  write_error_ = absl::OkStatus();  // the bytes it was about are gone
   return absl::OkStatus();
 }
 
 absl::Status ShardFile::Sync() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!write_error_.ok()) return write_error_;
+  }
   if (fdatasync(fd_.get()) != 0) return ErrnoError(errno, "fsync", path_);
   return absl::OkStatus();
 }

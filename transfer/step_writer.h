@@ -29,6 +29,7 @@
 #include "ptc/placement.h"
 #include "transfer/files.h"
 #include "transfer/store.h"
+#include "transfer/write_behind.h"
 
 struct XXH3_state_s;
 
@@ -37,6 +38,8 @@ namespace scalai {
 // One file being saved, backed by its own new blob. Writes may come from
 // several threads; the checksum is taken as the bytes arrive when they
 // arrive in order (one writer, as usual), else by reading the file back.
+// Bytes that arrive in order are streamed to disk as they come (WriteBehind),
+// so a save is mostly on disk when its writer calls fsync.
 class ShardFile {
  public:
   // A file with no name in `dir` (O_TMPFILE), gone when dropped: for bytes
@@ -81,6 +84,11 @@ class ShardFile {
   XXH3_state_s* hash_ = nullptr;  // guarded by mu_
   int64_t hashed_ = 0;            // bytes fed to hash_; guarded by mu_
   bool in_order_ = true;          // guarded by mu_
+  // Streams the in-order prefix to disk as it grows; guarded by mu_.
+  WriteBehind behind_;
+  // A failed writeback seen while streaming, which fsync can no longer
+  // report; guarded by mu_.
+  absl::Status write_error_;
 };
 
 class StepWriter {
