@@ -947,7 +947,11 @@ void OnCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t,
   auto created = s.saves->Create(parent, name);
   if (!created.ok()) {
     ReportSaveError(s, created.status());
-    fuse_reply_err(req, ToErrno(created.status()));
+    // A committed step is read-only.
+    fuse_reply_err(
+        req, created.status().code() == absl::StatusCode::kFailedPrecondition
+                 ? EROFS
+                 : ToErrno(created.status()));
     return;
   }
   fi->fh = reinterpret_cast<uint64_t>(new Handle(

@@ -11,6 +11,7 @@ namespace scalai {
 namespace {
 
 constexpr absl::string_view kShardFile = "model.safetensors";
+constexpr absl::string_view kExtraDir = "extra";
 
 // The number in `prefix` + zero-padded digits, exactly as the mount names
 // it; nullopt for any other name.
@@ -67,7 +68,11 @@ absl::StatusOr<SaveNode> SaveArea::MkdirStep(absl::string_view name,
   }
   ASSIGN_OR_RETURN(std::shared_ptr<StepWriter> writer,
                    StepWriter::Create(store_, *step, config));
-  const uint64_t dir = AddNode({0, 0, std::string(name), true, 0, *step, -1});
+  SaveNode dir_node;
+  dir_node.name = std::string(name);
+  dir_node.dir = true;
+  dir_node.step = *step;
+  const uint64_t dir = AddNode(std::move(dir_node));
   steps_[*step] = Step{std::move(writer), dir};
   return nodes_[dir].node;
 }
@@ -80,16 +85,26 @@ absl::StatusOr<SaveNode> SaveArea::Mkdir(uint64_t parent,
   const SaveNode& p = it->second.node;
   if (it->second.children.contains(std::string(name)))
     return absl::AlreadyExistsError(absl::StrCat(name, " exists"));
-  if (p.rank >= 0) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "a rank directory holds model.safetensors only, not ", name));
-  }
-  std::optional<int64_t> rank = Numbered(name, "rank-", 5);
   const Step& step = steps_.at(p.step);
   if (step.committed) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        "step ", p.step, " is committed: its rank directories exist"));
+    return absl::AlreadyExistsError(
+        absl::StrCat("step ", p.step, " is committed: its directories exist"));
   }
+  if (p.rank >= 0) {
+    if (!p.extra && name != kExtraDir) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "a rank directory holds model.safetensors and extra/ only, not ",
+          name));
+    }
+    SaveNode dir = p;
+    dir.parent = parent;
+    dir.name = std::string(name);
+    dir.extra_path = p.extra ? absl::StrCat(p.extra_path, name, "/") : "";
+    dir.extra = true;
+    const uint64_t ino = AddNode(std::move(dir));
+    return nodes_[ino].node;
+  }
+  std::optional<int64_t> rank = Numbered(name, "rank-", 5);
   const ParallelConfig& config = step.writer->config();
   if (!rank || *rank >= config.world_size()) {
     return absl::InvalidArgumentError(
@@ -97,8 +112,14 @@ absl::StatusOr<SaveNode> SaveArea::Mkdir(uint64_t parent,
                      config.ToString(), " (rank-00000 to rank-",
                      absl::StrFormat("%05d", config.world_size() - 1), ")"));
   }
-  const uint64_t ino = AddNode(
-      {0, parent, std::string(name), true, 0, p.step, static_cast<int>(*rank)});
+  SaveNode dir;
+  dir.parent = parent;
+  dir.name = std::string(name);
+  dir.dir = true;
+  dir.step = p.step;
+  dir.rank = static_cast<int>(*rank);
+  step.writer->Join(dir.rank);
+  const uint64_t ino = AddNode(std::move(dir));
   return nodes_[ino].node;
 }
 
@@ -108,23 +129,39 @@ SaveArea::Create(uint64_t parent, absl::string_view name) {
   auto it = nodes_.find(parent);
   if (it == nodes_.end()) return absl::NotFoundError("no such directory");
   const SaveNode p = it->second.node;
-  if (p.rank < 0 || name != kShardFile) {
+  if (p.rank < 0 || (!p.extra && name != kShardFile)) {
     return absl::PermissionDeniedError(absl::StrCat(
-        "only rank-RRRRR/model.safetensors can be saved, not ", name));
+        "only rank-RRRRR/model.safetensors and files under rank-RRRRR/extra/ "
+        "can be saved, not ",
+        name));
   }
+  const std::string extra_path = absl::StrCat(p.extra_path, name);
   const Step& step = steps_.at(p.step);
   std::shared_ptr<ShardFile> file;
-  if (step.committed) {
+  if (step.committed && p.extra) {
+    return StepWriter::LateExtra(p.step, p.rank, extra_path);
+  } else if (step.committed) {
     ASSIGN_OR_RETURN(file, ShardFile::Scratch(store_.blob_dir()));
+  } else if (p.extra) {
+    ASSIGN_OR_RETURN(file, step.writer->OpenExtra(p.rank, extra_path));
   } else {
     ASSIGN_OR_RETURN(file, step.writer->Open(p.rank));
   }
   uint64_t ino;
   auto existing = it->second.children.find(std::string(name));
   if (existing != it->second.children.end()) {
+    if (nodes_.at(existing->second).node.dir)
+      return absl::AlreadyExistsError(absl::StrCat(name, " is a directory"));
     ino = existing->second;
   } else {
-    ino = AddNode({0, parent, std::string(name), false, 0, p.step, p.rank});
+    SaveNode n;
+    n.parent = parent;
+    n.name = std::string(name);
+    n.step = p.step;
+    n.rank = p.rank;
+    n.extra = p.extra;
+    if (p.extra) n.extra_path = extra_path;
+    ino = AddNode(std::move(n));
   }
   if (!step.committed) nodes_[ino].file = file;
   SaveNode node = nodes_[ino].node;
@@ -229,7 +266,11 @@ absl::Status SaveArea::Unlink(uint64_t parent, absl::string_view name) {
     return absl::PermissionDeniedError(
         absl::StrCat("step ", n.node.step, " is committed"));
   }
-  step.writer->Forget(n.node.rank);
+  if (n.node.extra) {
+    step.writer->ForgetExtra(n.node.rank, n.node.extra_path);
+  } else {
+    step.writer->Forget(n.node.rank);
+  }
   RemoveTree(child->second);
   return absl::OkStatus();
 }
@@ -260,6 +301,8 @@ absl::Status SaveArea::Rmdir(uint64_t parent, absl::string_view name) {
   }
   if (n.node.rank < 0) {
     steps_.erase(n.node.step);  // its writer removes its blobs
+  } else if (!n.node.extra) {
+    steps_.at(n.node.step).writer->Leave(n.node.rank);
   }
   RemoveTree(ino);
   return absl::OkStatus();
@@ -275,6 +318,8 @@ absl::StatusOr<bool> SaveArea::Close(uint64_t ino,
                                      const std::shared_ptr<ShardFile>& file) {
   std::shared_ptr<StepWriter> writer;
   int rank = -1;
+  bool extra = false;
+  std::string extra_path;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = nodes_.find(ino);
@@ -285,15 +330,25 @@ absl::StatusOr<bool> SaveArea::Close(uint64_t ino,
     auto step = steps_.find(it->second.node.step);
     if (step == steps_.end())
       return absl::FailedPreconditionError("its step is gone");
+    const SaveNode& n = it->second.node;
+    if (step->second.committed && n.extra) {
+      return StepWriter::LateExtra(n.step, n.rank, n.extra_path);
+    }
     if (step->second.committed) {
       return absl::AbortedError(
           absl::StrCat("step ", step->first, " committed before this close"));
     }
     writer = step->second.writer;
     rank = it->second.node.rank;
+    extra = it->second.node.extra;
+    extra_path = it->second.node.extra_path;
   }
   // Checked without mu_: a 2 GiB shard must not hold up the other ranks.
-  RETURN_IF_ERROR(writer->Close(rank, file));
+  if (extra) {
+    RETURN_IF_ERROR(writer->CloseExtra(rank, extra_path, file));
+  } else {
+    RETURN_IF_ERROR(writer->Close(rank, file));
+  }
   return writer->complete();
 }
 

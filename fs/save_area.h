@@ -2,7 +2,7 @@
 // section 3, "Saving a checkpoint through the mount"), free of FUSE like the
 // Tree. A worker's `mkdir ckpt/step-N` starts a step under the current
 // config, `mkdir step-N/rank-R` and a write of `rank-R/model.safetensors`
-// feed its StepWriter. Nodes here have inode numbers of generation 0, which
+// or of files anywhere under `rank-R/extra/` feed its StepWriter. Nodes here have inode numbers of generation 0, which
 // no Tree uses, so the server can tell whose an inode is.
 //
 //   SaveArea area(store);
@@ -39,6 +39,10 @@ struct SaveNode {
   // Its step has committed: a walk that began before can still finish,
   // and a file written here is only compared with the committed one.
   bool committed = false;
+  // In the rank's extra/ (the directory itself too): opaque files saved
+  // with the step, at `extra_path` below extra/ ("" for extra/ itself).
+  bool extra = false;
+  std::string extra_path;
 };
 
 class SaveArea {
@@ -51,10 +55,12 @@ class SaveArea {
   // a step the store has or one being saved.
   absl::StatusOr<SaveNode> MkdirStep(absl::string_view name,
                                      const ParallelConfig& config);
-  // In a step being saved: `rank-RRRRR` of its config.
+  // In a step being saved: `rank-RRRRR` of its config; in a rank directory,
+  // `extra`, and below it any directory.
   absl::StatusOr<SaveNode> Mkdir(uint64_t parent, absl::string_view name);
   // In a rank directory: its `model.safetensors`, new and empty (also when
-  // written again: the new file replaces the old once it closes valid).
+  // written again: the new file replaces the old once it closes valid); in
+  // its extra/, a file of any name.
   absl::StatusOr<std::pair<SaveNode, std::shared_ptr<ShardFile>>> Create(
       uint64_t parent, absl::string_view name);
   // Reopening an existing file for writing with O_TRUNC starts it again.

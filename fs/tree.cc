@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
@@ -101,6 +103,7 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
       }
     }
     const size_t first_node = tree->nodes_.size();
+    std::map<std::string, int> extra_blobs;
     const uint64_t step_dir =
         tree->Add(ckpt, StepName(step.step), NodeKind::kDir, 0555).ino;
     for (int rank = 0; rank < config.world_size(); ++rank) {
@@ -159,7 +162,10 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
         t.group = g;
         t.shard = static_cast<int>(k);
       }
-      tree->Add(rank_dir, "extra", NodeKind::kDir, 0555);
+      const uint64_t extra_dir =
+          tree->Add(rank_dir, "extra", NodeKind::kDir, 0555).ino;
+      RETURN_IF_ERROR(
+          tree->AddExtraFiles(store, step, rank, extra_dir, extra_blobs));
     }
     tree->step_nodes_[step.step] = {first_node, tree->nodes_.size()};
     tree->views_.push_back(std::move(view));
@@ -172,6 +178,50 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
   RETURN_IF_ERROR(tree->NumberSamples());
   tree->counts_ = std::make_shared<Counts>(tree->nodes_.size());
   return tree;
+}
+
+absl::Status Tree::AddExtraFiles(const Store& store, const StepRecord& step,
+                                 int rank, uint64_t extra_dir,
+                                 std::map<std::string, int>& blobs) {
+  if (step.extra.empty()) return absl::OkStatus();
+  auto saved = ParallelConfig::Parse(step.extra_config);
+  if (!saved.ok()) {
+    return absl::DataLossError(
+        absl::StrCat("catalog record step ", step.step, ": bad extra_config"));
+  }
+  std::set<int> saved_ranks;
+  for (const auto& [r, files] : step.extra) saved_ranks.insert(r);
+  std::optional<int> source =
+      ExtraSourceRank(*saved, saved_ranks, config_, rank);
+  if (!source) return absl::OkStatus();
+  // Directories made so far, by their path below extra/.
+  std::map<std::string, uint64_t> dirs = {{"", extra_dir}};
+  for (const ExtraFile& f : step.extra.at(*source)) {
+    uint64_t parent = extra_dir;
+    std::string at;
+    std::vector<std::string> parts = absl::StrSplit(f.path, '/');
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      at = absl::StrCat(at, parts[i], "/");
+      auto [it, added] = dirs.try_emplace(at, 0);
+      if (added) it->second = Add(parent, parts[i], NodeKind::kDir, 0555).ino;
+      parent = it->second;
+    }
+    auto [blob, added] = blobs.try_emplace(f.blob, extras_.size());
+    if (added) {
+      ASSIGN_OR_RETURN(MappedFile map,
+                       MappedFile::Open(store.BlobPath(f.blob)));
+      if (map.size() != f.size) {
+        return absl::DataLossError(absl::StrCat(
+            "step ", step.step, " extra/", f.path, ": blob ", f.blob, " has ",
+            map.size(), " bytes, the catalog says ", f.size));
+      }
+      extras_.push_back(std::move(map));
+    }
+    Node& file = Add(parent, parts.back(), NodeKind::kFile, 0444);
+    file.size = f.size;
+    file.extra = blob->second;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Tree::AddDatasets(const Store& store,
@@ -494,6 +544,10 @@ absl::StatusOr<int64_t> Tree::Read(const Node& node, int64_t offset,
       default:
         RETURN_IF_ERROR(data.ReadStream(node.dp_rank, offset, length, out));
     }
+    return length;
+  }
+  if (node.extra >= 0) {
+    std::memcpy(out, extras_[node.extra].data() + offset, length);
     return length;
   }
   if (node.view < 0) {

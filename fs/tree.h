@@ -63,6 +63,8 @@ struct Node {
   int dataset = -1;
   int dp_rank = -1;
   int64_t sample = -1;
+  // A file saved under a rank's extra/: its index in the tree's extra blobs.
+  int extra = -1;
 };
 
 // What the kernel must be told about a node to drop it.
@@ -150,6 +152,12 @@ class Tree {
                            const std::vector<StepRecord>& steps,
                            uint64_t data_dir, nlohmann::json& job);
   absl::Status NumberSamples();
+  // Fills rank `rank`'s extra/ directory with the extra files of `step` its
+  // rank sees (ExtraSourceRank); `blobs` maps each blob of the step mapped
+  // so far to its index in extras_.
+  absl::Status AddExtraFiles(const Store& store, const StepRecord& step,
+                             int rank, uint64_t extra_dir,
+                             std::map<std::string, int>& blobs);
   uint64_t SampleIno(const Node& samples_dir, int64_t k) const;
   absl::StatusOr<const Node*> LookupSample(const Node& samples_dir,
                                            absl::string_view name,
@@ -186,6 +194,7 @@ class Tree {
     uint64_t ino_base = 0;               // see InoOf
   };
   std::vector<Dataset> datasets_;
+  std::vector<MappedFile> extras_;  // the blobs of extra/ files
   // The nodes of each step's directory, by index: [first, end).
   std::map<int64_t, std::pair<size_t, size_t>> step_nodes_;
   // Start of each tensor in a group's model.safetensors data: [view][group].

@@ -163,4 +163,19 @@ std::string ParallelConfig::ToString() const {
   return out;
 }
 
+std::optional<int> ExtraSourceRank(const ParallelConfig& saved,
+                                   const std::set<int>& saved_ranks,
+                                   const ParallelConfig& now, int rank) {
+  const RankCoords c = now.Coords(rank);
+  const bool same_shard = c.tp_rank < saved.tp() && c.pp_rank < saved.pp();
+  std::vector<int> candidates;
+  if (same_shard && c.dp_rank < saved.dp()) candidates.push_back(saved.Rank(c));
+  if (same_shard) candidates.push_back(saved.Rank({c.tp_rank, 0, c.pp_rank}));
+  candidates.push_back(0);
+  for (int r : candidates) {
+    if (saved_ranks.contains(r)) return r;
+  }
+  return std::nullopt;
+}
+
 }  // namespace scalai

@@ -9,6 +9,8 @@
 #define SCALAI_PTC_PARALLEL_CONFIG_H_
 
 #include <cstdint>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -71,6 +73,15 @@ class ParallelConfig {
   int dp_ = 1;
   std::vector<int64_t> stages_;
 };
+
+// Whose saved extra/ files (SPEC section 3) rank `rank` of `now` sees, of a
+// step saved under `saved` by the ranks in `saved_ranks`: the saved rank
+// with the same coordinates, else the one with the same (tp_rank, pp_rank)
+// and dp_rank 0, else saved rank 0; among those, the first that saved any.
+// nullopt when none did.
+std::optional<int> ExtraSourceRank(const ParallelConfig& saved,
+                                   const std::set<int>& saved_ranks,
+                                   const ParallelConfig& now, int rank);
 
 }  // namespace scalai
 

@@ -137,6 +137,38 @@ absl::Status MakeOutDir(const std::string& dir) {
       absl::StrCat(dir, " exists and is not empty"));
 }
 
+// Copies the extra/ files that rank `rank` of `config` sees (the mount's
+// rule, ExtraSourceRank) into OUT/rank-R/extra/.
+absl::Status ExportExtraFiles(const Store& store, const StepRecord& step,
+                              const ParallelConfig& config, int rank,
+                              const std::string& out) {
+  if (step.extra.empty()) return absl::OkStatus();
+  auto saved = ParallelConfig::Parse(step.extra_config);
+  if (!saved.ok()) {
+    return absl::DataLossError(
+        absl::StrCat("catalog record step ", step.step, ": bad extra_config"));
+  }
+  std::set<int> ranks;
+  for (const auto& [r, files] : step.extra) ranks.insert(r);
+  std::optional<int> source = ExtraSourceRank(*saved, ranks, config, rank);
+  if (!source) return absl::OkStatus();
+  for (const ExtraFile& f : step.extra.at(*source)) {
+    const std::string path =
+        absl::StrFormat("%s/rank-%05d/extra/%s", out, rank, f.path);
+    for (size_t slash = path.find('/', out.size() + 1);
+         slash != std::string::npos; slash = path.find('/', slash + 1)) {
+      const std::string dir = path.substr(0, slash);
+      if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
+        return ErrnoError(errno, "create", dir);
+    }
+    ASSIGN_OR_RETURN(MappedFile blob, MappedFile::Open(store.BlobPath(f.blob)));
+    ASSIGN_OR_RETURN(UniqueFd fd,
+                     OpenFile(path, O_WRONLY | O_CREAT | O_EXCL, 0644));
+    RETURN_IF_ERROR(WriteAll(fd.get(), blob.data(), blob.size(), path));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
@@ -206,6 +238,13 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
   RETURN_IF_ERROR(ParallelFor(files.size(), IoThreads(), [&](size_t i) {
     return WriteOutput(o.out, files[i], plan, src, progress);
   }));
+  if (!o.merged) {
+    const ParallelConfig& c = *o.config;
+    for (int g = 0; g < c.num_shard_groups(); ++g) {
+      RETURN_IF_ERROR(ExportExtraFiles(
+          store, step, c, c.Rank({g % c.tp(), 0, g / c.tp()}), o.out));
+    }
+  }
   if (o.merged) {
     nlohmann::json index = {{"metadata", {{"total_size", total}}},
                             {"weight_map", nlohmann::json::object()}};

@@ -1,5 +1,6 @@
 // Exports a stored step as per-rank shards for any config (the bytes the mount
-// shows), or as the full model in a Hugging Face sharded directory. Output
+// shows, extra/ files included), or as the full model in a Hugging Face
+// sharded directory. Output
 // files are written under temporary names, fsynced and renamed.
 //
 //   ExportOptions o{.out = "out", .config = config};

@@ -74,6 +74,20 @@ absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
   std::set<std::string> used;
   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store.Steps());
   for (const StepRecord& step : steps) {
+    // An extra file is its blob, whose size and checksum were checked above.
+    for (const auto& [rank, files] : step.extra) {
+      for (const ExtraFile& f : files) {
+        used.insert(f.blob);
+        if (!blobs.contains(f.blob)) {
+          problem(absl::StrCat("step ", step.step, " rank ", rank, " extra/",
+                               f.path, ": blob ", f.blob, " is not recorded"));
+        } else if (blobs.at(f.blob).size != f.size) {
+          problem(absl::StrCat("step ", step.step, " rank ", rank, " extra/",
+                               f.path, ": ", f.size, " bytes recorded, blob ",
+                               f.blob, " has ", blobs.at(f.blob).size));
+        }
+      }
+    }
     auto placement = store.StepPlacement(step);
     if (!placement.ok()) {
       problem(

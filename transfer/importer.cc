@@ -494,9 +494,11 @@ absl::StatusOr<ImportResult> ImportCheckpoint(Store& store,
   // The blobs and their names become durable before the record naming them.
   RETURN_IF_ERROR(SyncFilesystem(store.blob_dir()));
 
-  StepRecord record{step, plan.stored_config,
-                    static_cast<int>(plan.groups.size()), 0,
-                    plan.consumed_samples};
+  StepRecord record;
+  record.step = step;
+  record.config = plan.stored_config;
+  record.groups = static_cast<int>(plan.groups.size());
+  record.consumed_samples = plan.consumed_samples;
   Catalog::Batch batch;
   for (size_t g = 0; g < plan.groups.size(); ++g) {
     ShardRecord& shard = plan.groups[g];

@@ -244,8 +244,10 @@ absl::StatusOr<Materialization> Materialization::Write(
     const Placement& to = plan.to();
     StepUpdate update;
     update.before = step;
-    update.after = {step.step, target, to.num_groups(), 0,
-                    step.consumed_samples};
+    update.after = step;  // the extra files stay as saved
+    update.after.config = target;
+    update.after.groups = to.num_groups();
+    update.after.bytes = 0;
     std::vector<ShardRecord> stored;
     for (int g = 0; g < step.groups; ++g) {
       ASSIGN_OR_RETURN(ShardRecord record, store.Shard(step.step, g));

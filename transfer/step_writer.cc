@@ -158,6 +158,16 @@ absl::StatusOr<std::unique_ptr<StepWriter>> StepWriter::Create(
 }
 
 absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::Open(int rank) {
+  return NewFile(rank, Label(rank));
+}
+
+absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::OpenExtra(
+    int rank, const std::string& path) {
+  return NewFile(rank, absl::StrFormat("rank-%05d/extra/%s", rank, path));
+}
+
+absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::NewFile(
+    int rank, absl::string_view label) {
   if (rank < 0 || rank >= config().world_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " is not a rank of ", config().ToString()));
@@ -172,7 +182,7 @@ absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::Open(int rank) {
     std::lock_guard<std::mutex> lock(mu_);
     if (committed_) {
       return absl::FailedPreconditionError(
-          absl::StrCat("step ", step_, " is already committed"));
+          absl::StrCat(label, ": step ", step_, " is already committed"));
     }
     blobs_.insert(file->blob_);
   }
@@ -282,11 +292,44 @@ void StepWriter::Forget(int rank) {
   valid_[rank] = nullptr;
 }
 
+absl::Status StepWriter::CloseExtra(int rank, const std::string& path,
+                                    const std::shared_ptr<ShardFile>& file) {
+  RETURN_IF_ERROR(file->Digest().status());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (committed_) return LateExtra(step_, rank, path);
+  extra_[{rank, path}] = file;
+  return absl::OkStatus();
+}
+
+absl::Status StepWriter::LateExtra(int64_t step, int rank,
+                                   const std::string& path) {
+  return absl::FailedPreconditionError(absl::StrFormat(
+      "rank-%05d/extra/%s: step %d is already committed (a rank writes its "
+      "extra/ files before its model.safetensors, whose close may commit)",
+      rank, path, step));
+}
+
+void StepWriter::ForgetExtra(int rank, const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!committed_) extra_.erase({rank, path});
+}
+
+void StepWriter::Join(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (config().Coords(rank).dp_rank > 0) joined_.insert(rank);
+}
+
+void StepWriter::Leave(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  joined_.erase(rank);
+}
+
 std::vector<int> StepWriter::missing() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int> out;
   for (int r = 0; r < config().world_size(); ++r) {
-    if (config().Coords(r).dp_rank == 0 && valid_[r] == nullptr)
+    if ((config().Coords(r).dp_rank == 0 || joined_.contains(r)) &&
+        valid_[r] == nullptr)
       out.push_back(r);
   }
   return out;
@@ -303,8 +346,10 @@ absl::Status StepWriter::Commit() {
         absl::StrCat("step ", step_, " is already committed"));
   }
   const ParallelConfig& cfg = config();
-  StepRecord record{step_, cfg.ToString(), placement_->num_groups(), 0,
-                    std::nullopt};
+  StepRecord record;
+  record.step = step_;
+  record.config = cfg.ToString();
+  record.groups = placement_->num_groups();
   Catalog::Batch batch;
   std::set<std::string> used;
   for (int r = 0; r < cfg.world_size(); ++r) {
@@ -328,6 +373,15 @@ absl::Status StepWriter::Commit() {
     used.insert(file.blob());
     if (r == 0) record.consumed_samples = file.checked_.consumed_samples;
   }
+  for (const auto& [key, file] : extra_) {
+    RETURN_IF_ERROR(file->Sync());
+    ASSIGN_OR_RETURN(uint64_t digest, file->Digest());
+    batch.Put(Table::kBlobs, file->blob(),
+              Store::EncodeBlob({file->size(), digest, step_}));
+    record.extra[key.first].push_back({key.second, file->blob(), file->size()});
+    used.insert(file->blob());
+  }
+  if (!record.extra.empty()) record.extra_config = cfg.ToString();
   RETURN_IF_ERROR(SyncDir(store_.blob_dir()));
   batch.Put(Table::kSteps, StepKey(step_), Store::EncodeStep(record));
   RETURN_IF_ERROR(store_.catalog().Commit(batch));

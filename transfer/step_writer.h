@@ -17,11 +17,13 @@
 #define SCALAI_TRANSFER_STEP_WRITER_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -112,9 +114,28 @@ class StepWriter {
   absl::Status Close(int rank, const std::shared_ptr<ShardFile>& file);
   // The rank's file was removed: the step waits for a new one.
   void Forget(int rank);
-  // Every rank with dp_rank == 0 has closed a valid shard.
+
+  // A new, empty rank-R/extra/`path` (an opaque file: RNG state, args).
+  absl::StatusOr<std::shared_ptr<ShardFile>> OpenExtra(int rank,
+                                                       const std::string& path);
+  // Its writer closed it: it is part of the step when the step commits, in
+  // place of an earlier file of the same path. Nothing is checked.
+  absl::Status CloseExtra(int rank, const std::string& path,
+                          const std::shared_ptr<ShardFile>& file);
+  // The extra file was removed.
+  void ForgetExtra(int rank, const std::string& path);
+  // The refusal of an extra file opened or closed once its step committed.
+  static absl::Status LateExtra(int64_t step, int rank,
+                                const std::string& path);
+  // A rank with dp_rank > 0 began to save (made its directory): the step
+  // waits for its shard too, so that the extra/ files it writes before its
+  // shard are part of the step. Leave undoes it (its directory went).
+  void Join(int rank);
+  void Leave(int rank);
+  // Every rank with dp_rank == 0, and every rank that joined, has closed a
+  // valid shard.
   bool complete() const;
-  // The dp_rank == 0 ranks still to close a valid shard, for `status`.
+  // The ranks still to close a valid shard, for `status`.
   std::vector<int> missing() const;
   // Syncs the blobs and records the step, atomically; the blobs then belong
   // to the store. Extra replicas' blobs are removed.
@@ -124,14 +145,20 @@ class StepWriter {
   StepWriter(Store& store, int64_t step,
              std::shared_ptr<const Placement> placement);
   absl::StatusOr<ShardFile::Checked> Check(int rank, ShardFile& file);
+  // A new file backed by a new blob of the step.
+  absl::StatusOr<std::shared_ptr<ShardFile>> NewFile(int rank,
+                                                     absl::string_view label);
 
   Store& store_;
   const int64_t step_;
   const std::shared_ptr<const Placement> placement_;
   mutable std::mutex mu_;
-  // Guarded by mu_: each rank's valid file, each blob made, and whether
-  // the step is committed.
+  // Guarded by mu_: each rank's valid file, the ranks with dp_rank > 0 that
+  // joined, the closed extra files by (rank, path), each blob made, and
+  // whether the step is committed.
   std::vector<std::shared_ptr<ShardFile>> valid_;
+  std::set<int> joined_;
+  std::map<std::pair<int, std::string>, std::shared_ptr<ShardFile>> extra_;
   std::set<std::string> blobs_;
   bool committed_ = false;
 };

@@ -185,12 +185,29 @@ absl::StatusOr<std::vector<StepRecord>> Store::Steps() const {
         !j.contains("bytes")) {
       return Corrupt(what);
     }
-    StepRecord step{StepFromKey(key), j["config"].get<std::string>(),
-                    j["groups"].get<int>(), j["bytes"].get<int64_t>(),
-                    std::nullopt};
+    StepRecord step;
+    step.step = StepFromKey(key);
+    step.config = j["config"].get<std::string>();
+    step.groups = j["groups"].get<int>();
+    step.bytes = j["bytes"].get<int64_t>();
     if (j.contains("consumed_samples")) {
       if (!j["consumed_samples"].is_number_integer()) return Corrupt(what);
       step.consumed_samples = j["consumed_samples"].get<int64_t>();
+    }
+    if (j.contains("extra")) {
+      try {
+        step.extra_config = j.at("extra_config").get<std::string>();
+        for (const auto& [rank, files] : j.at("extra").items()) {
+          std::vector<ExtraFile>& mine = step.extra[std::stoi(rank)];
+          for (const json& f : files) {
+            mine.push_back({f.at("path").get<std::string>(),
+                            f.at("blob").get<std::string>(),
+                            f.at("size").get<int64_t>()});
+          }
+        }
+      } catch (const std::exception&) {
+        return Corrupt(what);
+      }
     }
     steps.push_back(std::move(step));
   }
@@ -273,11 +290,12 @@ absl::Status Store::DeleteStep(int64_t step) {
   bool found = false;
   for (const StepRecord& s : steps) {
     found |= s.step == step;
+    std::set<std::string>& uses = s.step == step ? mine : others;
     for (int g = 0; g < s.groups; ++g) {
       ASSIGN_OR_RETURN(ShardRecord shard, Shard(s.step, g));
-      (s.step == step ? mine : others)
-          .insert(shard.blobs.begin(), shard.blobs.end());
+      uses.insert(shard.blobs.begin(), shard.blobs.end());
     }
+    for (const std::string& blob : s.ExtraBlobs()) uses.insert(blob);
   }
   if (!found) return absl::NotFoundError(absl::StrCat("no step ", step));
   Catalog::Batch batch;
@@ -379,7 +397,27 @@ std::string Store::EncodeStep(const StepRecord& step) {
   json j = {
       {"config", step.config}, {"groups", step.groups}, {"bytes", step.bytes}};
   if (step.consumed_samples) j["consumed_samples"] = *step.consumed_samples;
+  if (!step.extra.empty()) {
+    json extra = json::object();
+    for (const auto& [rank, files] : step.extra) {
+      json list = json::array();
+      for (const ExtraFile& f : files) {
+        list.push_back({{"path", f.path}, {"blob", f.blob}, {"size", f.size}});
+      }
+      extra[std::to_string(rank)] = list;
+    }
+    j["extra_config"] = step.extra_config;
+    j["extra"] = extra;
+  }
   return j.dump();
+}
+
+std::vector<std::string> StepRecord::ExtraBlobs() const {
+  std::vector<std::string> blobs;
+  for (const auto& [rank, files] : extra) {
+    for (const ExtraFile& f : files) blobs.push_back(f.blob);
+  }
+  return blobs;
 }
 
 std::string Store::EncodeShard(const ShardRecord& shard) {

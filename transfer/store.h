@@ -27,6 +27,14 @@
 
 namespace scalai {
 
+// An opaque file saved with a step under rank-R/extra/ (RNG state, args):
+// stored whole in its own blob, never resharded.
+struct ExtraFile {
+  std::string path;  // below extra/, e.g. "rng/state.pt"
+  std::string blob;
+  int64_t size = 0;
+};
+
 // A committed step: the config its shards are stored under, or "full" for an
 // unsharded model stored once.
 struct StepRecord {
@@ -37,7 +45,14 @@ struct StepRecord {
   // `scalai.consumed_samples` of rank 0's shard, when it had one: where the
   // job stands in its data (SPEC "Dataset position").
   std::optional<int64_t> consumed_samples;
+  // The extra/ files of each rank that saved some, by its rank under
+  // `extra_config`, the config the step was saved under. Materializing the
+  // shards under another config leaves these as they are.
+  std::string extra_config;
+  std::map<int, std::vector<ExtraFile>> extra;
   bool full() const { return config == "full"; }
+  // Every blob the step's extra files use.
+  std::vector<std::string> ExtraBlobs() const;
 };
 
 // Where the tensors of one stored shard group lie: tensor k of the group's

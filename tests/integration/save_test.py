@@ -81,6 +81,93 @@ def safetensors_bytes(tensors, metadata=None):
         return open(f.name, "rb").read()
 
 
+def save_rank_with_extra(path, tensors, metadata, extra):
+    """A worker that writes its extra/ files first, then its shard."""
+    rank_dir = os.path.dirname(path)
+    for name, data in extra.items():
+        os.makedirs(os.path.dirname(f"{rank_dir}/extra/{name}"), exist_ok=True)
+        with open(f"{rank_dir}/extra/{name}", "wb") as f:
+            f.write(data)
+    save_rank(path, tensors, metadata)
+
+
+def extra_of(rank):
+    """What rank `rank` of SAVED keeps in extra/: its own RNG state; rank 0
+    also its arguments, in a subdirectory; rank 5 a file of several MiB."""
+    files = {"rng.bin": f"rng state of rank {rank}\n".encode() + bytes(range(256))}
+    if rank == 0:
+        files["args/run.json"] = b'{"lr": 0.001}\n'
+    if rank == 5:
+        files["big/blob.bin"] = np.random.default_rng(5).bytes(3 << 20)
+    return files
+
+
+def read_extra(mnt, rank):
+    """{path below extra/: bytes} of a rank of the newest step."""
+    base = f"{mnt}/ckpt/latest/rank-{rank:05d}/extra"
+    out = {}
+    for root, _, files in os.walk(base):
+        for name in files:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, base)] = open(path, "rb").read()
+    return out
+
+
+def check_extra_files(mnt, full):
+    """extra/ files saved with a step: each rank sees its own under the
+    config they were saved under; under another config a rank sees the
+    saved rank with its coordinates, else the one with its (tp_rank,
+    pp_rank) and dp_rank 0, else rank 0's; they survive materialization;
+    one closed after its step committed fails with EIO."""
+    want = expected(full, SAVED, LAYERS, DIVISOR)
+    step_dir = f"{mnt}/ckpt/step-00000350"
+    # Every rank makes its directory first, as a job does before saving
+    # (a barrier): a rank with dp_rank > 0 that has one is waited for.
+    for rank in range(8):
+        os.makedirs(f"{step_dir}/rank-{rank:05d}")
+    # Rank 2 (dp_rank 1) keeps one extra file open past the commit.
+    os.makedirs(f"{step_dir}/rank-00002/extra")
+    slow = open(f"{step_dir}/rank-00002/extra/slow.bin", "wb")
+    slow.write(b"late")
+    procs = []
+    for rank in range(8):
+        meta = {"scalai.step": "350", "scalai.rank": str(rank)}
+        p = multiprocessing.Process(target=save_rank_with_extra, args=(
+            f"{step_dir}/rank-{rank:05d}/model.safetensors", want[rank], meta, extra_of(rank)))
+        p.start()
+        procs.append(p)
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0, (p.exitcode, status(mnt))
+    assert latest(mnt) == "step-00000350", latest(mnt)
+    try:
+        slow.close()
+        raise AssertionError("an extra file closed after its step committed was taken")
+    except OSError as e:
+        assert e.errno == errno.EIO, e
+    assert "extra/slow.bin: step 350 is already committed" in status(mnt)["error"], status(mnt)
+    try:
+        open(f"{step_dir}/rank-00001/extra/late.bin", "wb")
+        raise AssertionError("a committed step took a new extra file")
+    except OSError as e:
+        assert e.errno in (errno.EACCES, errno.EROFS), e
+    for rank in range(8):
+        assert read_extra(mnt, rank) == extra_of(rank), rank
+    # Under other configs: the saved rank with the same coordinates, else
+    # the one with the same (tp_rank, pp_rank) and dp_rank 0, else rank 0.
+    for config, sources in (("tp=1,pp=2,dp=1", [0, 4]),
+                            ("tp=4,pp=1,dp=2", [0, 1, 0, 0, 2, 3, 0, 0]),
+                            ("tp=2,pp=2,dp=3", [0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 4, 5])):
+        run("reconfigure", mnt, config, "--wait")
+        for rank, source in enumerate(sources):
+            assert read_extra(mnt, rank) == extra_of(source), (config, rank, source)
+    run("reconfigure", mnt, SAVED, "--wait")
+    for rank in range(8):
+        assert read_extra(mnt, rank) == extra_of(rank), rank
+    check_bytes(mnt, full, SAVED, LAYERS, DIVISOR)
+    print("extra/ files: saved by 8 ranks, seen by the right ranks under 3 other configs")
+
+
 def latest(mnt):
     return os.readlink(f"{mnt}/ckpt/latest")
 
@@ -195,18 +282,28 @@ def main():
             raise AssertionError("rank 8 of a world of 8")
         except OSError as e:
             assert e.errno == errno.EINVAL, e
+        check_extra_files(mnt, full)
+
         # An unfinished step at unmount is gone at the next mount.
         save_step(mnt, 400, {0: expected(full, SAVED, LAYERS, DIVISOR)[0]}, SAVED)
         run("umount", mnt)
         run("fsck", store)
+        # Export writes the extra/ files each exported rank sees.
+        run("export", store, f"{tmp}/out", "--config", "tp=2,pp=1,dp=1", "--step", "350")
+        for rank in (0, 1):
+            base = f"{tmp}/out/rank-{rank:05d}/extra"
+            got = {os.path.relpath(os.path.join(d, n), base): open(os.path.join(d, n), "rb").read()
+                   for d, _, names in os.walk(base) for n in names}
+            assert got == extra_of(rank), (rank, sorted(got))
         run("mount", store, mnt, "--keep-steps", "2")
         assert sorted(os.listdir(f"{mnt}/ckpt")) == ["latest", "step-00000100", "step-00000200",
-                                                    "step-00000300"]
+                                                    "step-00000300", "step-00000350"]
+        assert all(read_extra(mnt, r) == extra_of(r) for r in range(8))  # kept across mounts
         # Retention: a step with an open file is spared, then dropped later.
         before = open(f"{mnt}/ckpt/step-00000100/rank-00000/model.safetensors", "rb").read()
         held = open(f"{mnt}/ckpt/step-00000100/rank-00000/model.safetensors", "rb")
         save_step(mnt, 500, expected(full, SAVED, LAYERS, DIVISOR), SAVED)
-        assert sorted(os.listdir(f"{mnt}/ckpt")) == ["latest", "step-00000100", "step-00000300",
+        assert sorted(os.listdir(f"{mnt}/ckpt")) == ["latest", "step-00000100", "step-00000350",
                                                     "step-00000500"], os.listdir(f"{mnt}/ckpt")
         assert held.read() == before  # its bytes stay while it is open
         held.close()

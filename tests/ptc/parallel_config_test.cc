@@ -95,3 +95,65 @@ TEST(ParallelConfig, StagesMustFitTheModel) {
 
 }  // namespace
 }  // namespace scalai
+
+namespace scalai {
+namespace {
+
+ParallelConfig Config(int tp, int pp, int dp) {
+  return *ParallelConfig::Create(tp, pp, dp);
+}
+
+TEST(ExtraSourceRank, SameConfigSeesItsOwnFiles) {
+  const ParallelConfig c = Config(2, 2, 2);
+  std::set<int> all;
+  for (int r = 0; r < c.world_size(); ++r) all.insert(r);
+  for (int r = 0; r < c.world_size(); ++r) {
+    EXPECT_EQ(ExtraSourceRank(c, all, c, r), r);
+  }
+}
+
+TEST(ExtraSourceRank, FallsBackToDataRankZeroThenRankZero) {
+  const ParallelConfig saved = Config(2, 2, 2), now = Config(4, 1, 3);
+  // Only the dp_rank 0 ranks saved: 0, 1 (pp 0) and 4, 5 (pp 1).
+  const std::set<int> dp0 = {0, 1, 4, 5};
+  for (int r = 0; r < now.world_size(); ++r) {
+    const RankCoords c = now.Coords(r);
+    const int want = c.tp_rank < 2 ? c.tp_rank : 0;  // pp_rank is 0 in now
+    EXPECT_EQ(ExtraSourceRank(saved, dp0, now, r), want) << r;
+  }
+  // Same coordinates win over dp_rank 0 when that rank saved too.
+  EXPECT_EQ(ExtraSourceRank(saved, {0, 1, 2, 3, 4, 5}, Config(2, 1, 2), 2), 2);
+  EXPECT_EQ(ExtraSourceRank(saved, {0, 1, 4, 5}, Config(2, 1, 2), 2), 0);
+}
+
+TEST(ExtraSourceRank, NoneWhenNoCandidateSaved) {
+  EXPECT_EQ(ExtraSourceRank(Config(2, 1, 1), {1}, Config(1, 1, 1), 0),
+            std::nullopt);
+  EXPECT_EQ(ExtraSourceRank(Config(2, 1, 1), {}, Config(2, 1, 1), 1),
+            std::nullopt);
+}
+
+// Whatever the configs, the answer is a rank that saved files.
+TEST(ExtraSourceRank, AlwaysNamesARankThatSaved) {
+  for (int trial = 0; trial < 500; ++trial) {
+    const ParallelConfig saved =
+        Config(1 + trial % 3, 1 + trial / 3 % 3, 1 + trial / 9 % 3);
+    const ParallelConfig now =
+        Config(1 + trial / 27 % 3, 1 + trial / 81 % 3, 1 + trial % 2);
+    std::set<int> some;
+    for (int r = 0; r < saved.world_size(); ++r) {
+      if ((r * 7 + trial) % 3 != 0) some.insert(r);
+    }
+    for (int r = 0; r < now.world_size(); ++r) {
+      std::optional<int> got = ExtraSourceRank(saved, some, now, r);
+      if (got) {
+        EXPECT_TRUE(some.contains(*got));
+      } else {
+        EXPECT_FALSE(some.contains(0));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace scalai
