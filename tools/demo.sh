@@ -74,6 +74,24 @@ if [[ -e /dev/fuse ]]; then
   echo "== One data-parallel rank now reads every sample of each batch, from the same position =="
   step sh -c "ls '$work/mnt/data/web'; cat '$work/mnt/data/web/rank-00000/rank.json'; od -An -tu8 -N64 '$work/mnt/data/web/rank-00000/sample-ids.u64'"
   step "$scalai" reconfigure "$work/mnt" tp=1,pp=2,dp=4 --wait
+  echo
+  echo "== The job saves step 200 through the mount: each rank writes its extra/ files, then =="
+  echo "== its model.safetensors; the step commits when every dp_rank 0 rank closed a valid one =="
+  cat > "$work/save.sh" <<'EOF'
+# What each saving worker does: its extra/ files first, then its shard.
+ckpt=$1 rank=$2
+mkdir -p "$ckpt/step-00000200/rank-$rank/extra"
+echo "{\"rng_state\": \"of rank $rank\"}" > "$ckpt/step-00000200/rank-$rank/extra/rng.json"
+cp "$ckpt/step-00000100/rank-$rank/model.safetensors" "$ckpt/step-00000200/rank-$rank/"
+EOF
+  step cat "$work/save.sh"
+  step sh -c "sh '$work/save.sh' '$work/mnt/ckpt' 00000 & sh '$work/save.sh' '$work/mnt/ckpt' 00004 & wait
+    ls -l '$work/mnt/ckpt'; cat '$work/mnt/status'"
+  step sh -c "ls -l '$work/mnt/ckpt/latest/rank-00004' '$work/mnt/ckpt/latest/rank-00004/extra'; cat '$work/mnt/ckpt/latest/rank-00004/extra/rng.json'"
+  echo "== A shard that does not fit its rank fails its close, and status says why =="
+  step sh -c "mkdir -p '$work/mnt/ckpt/step-00000300/rank-00000'
+    cp '$work/mnt/ckpt/step-00000200/rank-00004/model.safetensors' '$work/mnt/ckpt/step-00000300/rank-00000/' || cat '$work/mnt/status'"
+  step rm -r "$work/mnt/ckpt/step-00000300"
   step "$scalai" umount "$work/mnt"
   step "$scalai" fsck "$work/job"
 fi
