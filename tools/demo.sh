@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The main job's demo: installs what it needs, builds Scalai, writes a small
-# synthetic GPT checkpoint under one parallel config, keeps it in a store, and
-# shows what changing tp, pp and dp moves and the resharded shards. Grows with
-# each capability.
+# synthetic GPT checkpoint under one parallel config, keeps it in a store,
+# shows what changing tp, pp and dp moves and the resharded shards, mounts it,
+# reconfigures it while mounted, saves a step through it, and ends with a
+# PyTorch job trained through a mount across three reconfigurations, with a
+# report and a plot of its loss against an uninterrupted run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -100,3 +102,12 @@ echo
 echo "== Grow to 16 GPUs as tp=2,pp=2,dp=4: new ranks fetch, the store writes nothing =="
 step "$scalai" plan --layout megatron-core-gpt --model "$model" \
   --from tp=2,pp=2,dp=2 --to tp=2,pp=2,dp=4
+
+if [[ -e /dev/fuse ]]; then
+  echo
+  echo "== The whole mission: a PyTorch GPT (tensor, pipeline and data parallel; float64, gloo on =="
+  echo "== CPU) reads its data and saves and loads its checkpoints only through a Scalai mount,  =="
+  echo "== while its config changes three times; beside it, the same job trained uninterrupted  =="
+  step /usr/bin/python3 tests/e2e/scenario.py "$scalai" --report --plot build/e2e-loss.png
+  echo "the loss curves: build/e2e-loss.png"
+fi

@@ -8,7 +8,7 @@ packages=(
   libabsl-dev librocksdb-dev libfuse3-dev fuse3
   nlohmann-json3-dev libcli11-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3-numpy python3-torch clang-format git tar
+  python3-numpy python3-torch python3-matplotlib clang-format git tar
 )
 
 missing=()

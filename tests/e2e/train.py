@@ -1,0 +1,378 @@
+#!/usr/bin/python3
+"""One worker of a small GPT training job, the way Megatron-LM lays one out:
+tensor parallelism (column- and row-parallel linears, a SwiGLU MLP whose fc1
+holds [gate; up] per rank, grouped-query attention split by query group, a
+vocabulary-parallel embedding and output layer with padded rows), pipeline
+parallelism (stages as processes passing activations forward and their
+gradients back), and data parallelism (gradients all-reduced). CPU, float64,
+torch.distributed with gloo. Its data and its checkpoints go only through a
+Scalai mount: each data-parallel rank reads its samples from
+MOUNT/data/NAME/rank-D/, each rank loads MOUNT/ckpt/latest/rank-R/ and, at
+the end, the ranks with dp_rank 0 save MOUNT/ckpt/step-N/rank-R/ (Adam's
+moments saved per parameter as optimizer.exp_avg.NAME and
+optimizer.exp_avg_sq.NAME, so they reshard with it; the iteration and Adam's
+step in extra/state.json).
+
+Run one process per rank with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+set (scenario.py does)."""
+import argparse
+import json
+import math
+import os
+import struct
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+DTYPE = torch.float64
+ADAM = {"lr": 3e-3, "b1": 0.9, "b2": 0.95, "eps": 1e-8}
+
+
+def parse_kv(text):
+    return {k: v for k, v in (part.split("=") for part in text.split(","))}
+
+
+# --- safetensors, read and written here (no library) -------------------------
+
+ST_DTYPES = {"F64": np.float64, "F32": np.float32}
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        blob = f.read()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    meta = header.pop("__metadata__", {})
+    out = {}
+    for name, e in header.items():
+        b, end = e["data_offsets"]
+        out[name] = np.frombuffer(blob[8 + n + b:8 + n + end],
+                                  dtype=ST_DTYPES[e["dtype"]]).reshape(e["shape"]).copy()
+    return out, meta
+
+
+def write_safetensors(path, tensors, metadata):
+    header, offset = {"__metadata__": metadata}, 0
+    for name, arr in tensors.items():
+        header[name] = {"dtype": "F64", "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for arr in tensors.values():
+            f.write(np.ascontiguousarray(arr).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --- the parallel layout -------------------------------------------------------
+
+class Topology:
+    """Megatron's rank order: tp fastest, then dp, then pp."""
+
+    def __init__(self, config, rank):
+        self.tp, self.pp, self.dp = (int(config[k]) for k in ("tp", "pp", "dp"))
+        self.rank = rank
+        self.tp_rank = rank % self.tp
+        self.dp_rank = rank // self.tp % self.dp
+        self.pp_rank = rank // (self.tp * self.dp)
+        self.first = self.pp_rank == 0
+        self.last = self.pp_rank == self.pp - 1
+        self.tp_group = self.dp_group = None
+        # Every process makes every group, in the same order.
+        for p in range(self.pp):
+            for d in range(self.dp):
+                ranks = [self.rank_of(t, d, p) for t in range(self.tp)]
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    self.tp_group = g
+        for p in range(self.pp):
+            for t in range(self.tp):
+                ranks = [self.rank_of(t, d, p) for d in range(self.dp)]
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    self.dp_group = g
+
+    def rank_of(self, tp_rank, dp_rank, pp_rank):
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def peer(self, pp_rank):
+        return self.rank_of(self.tp_rank, self.dp_rank, pp_rank)
+
+
+def stage_layers(layers, pp, pp_rank):
+    """SPEC's default split: as even as possible, earlier stages take the rest."""
+    base, extra = divmod(layers, pp)
+    sizes = [base + (1 if p < extra else 0) for p in range(pp)]
+    return sum(sizes[:pp_rank]), sizes[pp_rank]
+
+
+class CopyToTP(torch.autograd.Function):
+    """Identity forward; the gradient is summed over the tensor-parallel
+    group (the input of a column-parallel linear is replicated)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """Sum over the tensor-parallel group forward; identity backward (every
+    rank uses the sum the same way)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+# --- the model -----------------------------------------------------------------
+
+class Stage:
+    """This rank's part of the model: its pipeline stage's layers, each
+    tensor its tensor-parallel shard, under Megatron-Core's local names."""
+
+    def __init__(self, m, topo, tensors):
+        self.m, self.topo = m, topo
+        self.first_layer, self.num_layers = stage_layers(m["layers"], topo.pp, topo.pp_rank)
+        self.params = {name: torch.tensor(arr, dtype=DTYPE, requires_grad=True)
+                       for name, arr in tensors.items() if not name.startswith("optimizer.")}
+        self.exp_avg = {n: torch.tensor(tensors["optimizer.exp_avg." + n], dtype=DTYPE)
+                        for n in self.params}
+        self.exp_avg_sq = {n: torch.tensor(tensors["optimizer.exp_avg_sq." + n], dtype=DTYPE)
+                           for n in self.params}
+
+    def p(self, name):
+        return self.params[name]
+
+    def tp_in(self, x):
+        return CopyToTP.apply(x, self.topo.tp_group) if self.topo.tp > 1 else x
+
+    def tp_out(self, x):
+        return ReduceFromTP.apply(x, self.topo.tp_group) if self.topo.tp > 1 else x
+
+    @staticmethod
+    def rms_norm(x, w):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
+
+    def vocab_range(self):
+        rows = self.p("embedding.word_embeddings.weight" if self.topo.first
+                      else "output_layer.weight").shape[0]
+        return self.topo.tp_rank * rows, (self.topo.tp_rank + 1) * rows
+
+    def embed(self, tokens):
+        lo, hi = self.vocab_range()
+        inside = (tokens >= lo) & (tokens < hi)
+        rows = self.p("embedding.word_embeddings.weight")[(tokens - lo).clamp(0, hi - lo - 1)]
+        return self.tp_out(rows * inside.unsqueeze(-1))
+
+    def rope(self, x):
+        """Rotary position embedding over the last dim of [b, s, heads, hd]."""
+        s, hd = x.shape[1], x.shape[-1]
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=DTYPE) / hd))
+        ang = torch.arange(s, dtype=DTYPE)[:, None] * inv[None, :]
+        cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
+        a, b = x[..., : hd // 2], x[..., hd // 2:]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+    def layer(self, x, n):
+        m, pre = self.m, f"decoder.layers.{n}."
+        heads, groups = m["heads"], m["groups"]
+        hd = m["hidden"] // heads
+        per_group = heads // groups
+        b, s, _ = x.shape
+        # Attention: linear_qkv holds [q of the group's heads; k; v] per query
+        # group, and each tensor-parallel rank whole groups of it.
+        h = self.tp_in(self.rms_norm(x, self.p(pre + "self_attention.linear_qkv.layer_norm_weight")))
+        qkv = h @ self.p(pre + "self_attention.linear_qkv.weight").T
+        local_groups = qkv.shape[-1] // ((per_group + 2) * hd)
+        qkv = qkv.view(b, s, local_groups, per_group + 2, hd)
+        q = qkv[:, :, :, :per_group].reshape(b, s, local_groups * per_group, hd)
+        k = qkv[:, :, :, per_group:per_group + 1].expand(-1, -1, -1, per_group, -1)
+        v = qkv[:, :, :, per_group + 1:].expand(-1, -1, -1, per_group, -1)
+        k = k.reshape(b, s, local_groups * per_group, hd)
+        v = v.reshape(b, s, local_groups * per_group, hd)
+        q, k = self.rope(q), self.rope(k)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(causal, float("-inf"))
+        att = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(b, s, -1)
+        x = x + self.tp_out(att @ self.p(pre + "self_attention.linear_proj.weight").T)
+        # SwiGLU: this rank's fc1 rows are [gate_t; up_t].
+        h = self.tp_in(self.rms_norm(x, self.p(pre + "mlp.linear_fc1.layer_norm_weight")))
+        gate, up = (h @ self.p(pre + "mlp.linear_fc1.weight").T).chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        return x + self.tp_out(act @ self.p(pre + "mlp.linear_fc2.weight").T)
+
+    def loss_sum(self, x, labels):
+        """Sum of the token losses, by a vocabulary-parallel cross entropy
+        that leaves the padding rows out (so they stay zero)."""
+        h = self.tp_in(self.rms_norm(x, self.p("decoder.final_layernorm.weight")))
+        logits = h @ self.p("output_layer.weight").T
+        lo, hi = self.vocab_range()
+        padding = torch.arange(lo, hi) >= self.m["vocab"]
+        logits = logits.masked_fill(padding, float("-inf"))
+        top = logits.max(-1).values.detach()
+        if self.topo.tp > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.topo.tp_group)
+        total = self.tp_out(torch.exp(logits - top.unsqueeze(-1)).sum(-1))
+        inside = (labels >= lo) & (labels < hi)
+        picked = logits.gather(-1, (labels - lo).clamp(0, hi - lo - 1).unsqueeze(-1)).squeeze(-1)
+        target = self.tp_out(torch.where(inside, picked, torch.zeros_like(picked)))
+        return (torch.log(total) + top - target).sum()
+
+    def step(self, tokens, labels, tokens_in_batch, act_shape):
+        """One forward and backward through the pipeline; returns this dp
+        rank's share of the loss on the last stage, else None."""
+        topo = self.topo
+        if topo.first:
+            x_in = None
+            x = self.embed(tokens)
+        else:
+            x_in = torch.empty(act_shape, dtype=DTYPE)
+            dist.recv(x_in, src=topo.peer(topo.pp_rank - 1))
+            x_in.requires_grad_()
+            x = x_in
+        for n in range(self.num_layers):
+            x = self.layer(x, n)
+        loss = None
+        if topo.last:
+            loss = self.loss_sum(x, labels) / tokens_in_batch
+            loss.backward()
+        else:
+            dist.send(x.detach(), dst=topo.peer(topo.pp_rank + 1))
+            grad = torch.empty(act_shape, dtype=DTYPE)
+            dist.recv(grad, src=topo.peer(topo.pp_rank + 1))
+            x.backward(grad)
+        if not topo.first:
+            dist.send(x_in.grad, dst=topo.peer(topo.pp_rank - 1))
+        return loss
+
+    def adam(self, t):
+        for name, p in self.params.items():
+            g = p.grad
+            if self.topo.dp > 1:
+                dist.all_reduce(g, group=self.topo.dp_group)
+            m, v = self.exp_avg[name], self.exp_avg_sq[name]
+            m.mul_(ADAM["b1"]).add_(g, alpha=1 - ADAM["b1"])
+            v.mul_(ADAM["b2"]).addcmul_(g, g, value=1 - ADAM["b2"])
+            mhat = m / (1 - ADAM["b1"] ** t)
+            vhat = v / (1 - ADAM["b2"] ** t)
+            with torch.no_grad():
+                p -= ADAM["lr"] * mhat / (vhat.sqrt() + ADAM["eps"])
+            p.grad = None
+
+    def tensors(self):
+        out = {}
+        for name, p in self.params.items():
+            out[name] = p.detach().numpy()
+            out["optimizer.exp_avg." + name] = self.exp_avg[name].numpy()
+            out["optimizer.exp_avg_sq." + name] = self.exp_avg_sq[name].numpy()
+        return out
+
+
+# --- the job -------------------------------------------------------------------
+
+def samples_per_batch(batch, dp, dp_rank):
+    """SPEC's slice: the first B % dp ranks take one sample more."""
+    return batch // dp + (1 if dp_rank < batch % dp else 0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mount", required=True)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dataset", required=True)
+    ap.add_argument("--iterations", type=int, required=True)
+    ap.add_argument("--save", action="store_true")
+    ap.add_argument("--log", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    topo = Topology(parse_kv(args.config), rank)
+    m = {k: int(v) for k, v in parse_kv(args.model).items()}
+    mnt = args.mount
+
+    # Load this rank's shard of the newest step, and where the job stands.
+    ckpt = f"{mnt}/ckpt/latest/rank-{rank:05d}"
+    tensors, meta = read_safetensors(f"{ckpt}/model.safetensors")
+    assert meta["scalai.config"] == args.config, (meta, args.config)
+    step = int(meta["scalai.step"])
+    try:
+        with open(f"{ckpt}/extra/state.json") as f:
+            state = json.load(f)  # from the saved rank this rank maps to
+    except FileNotFoundError:  # the imported initial model has none
+        state = {"iteration": step, "adam_step": step}
+    assert state["iteration"] == step, (state, meta)
+    stage = Stage(m, topo, tensors)
+
+    data = f"{mnt}/data/{args.dataset}"
+    with open(f"{data}/dataset.json") as f:
+        info = json.load(f)
+    batch = info["global_batch"]
+    assert info["position"] == state["iteration"] * batch, (info, state)
+    mine = samples_per_batch(batch, topo.dp, topo.dp_rank)
+    ids = np.fromfile(f"{data}/rank-{topo.dp_rank:05d}/sample-ids.u64", dtype="<u8")
+    seq = m["seq"]
+    log = open(args.log, "a") if topo.last and topo.tp_rank == 0 and topo.dp_rank == 0 else None
+
+    for j in range(args.iterations):
+        iteration = state["iteration"] + j
+        rows = []
+        for k in range(j * mine, (j + 1) * mine):
+            with open(f"{data}/rank-{topo.dp_rank:05d}/samples/{k}", "rb") as f:
+                rows.append(np.frombuffer(f.read(), dtype="<i4"))
+        sample = torch.from_numpy(np.stack(rows).astype(np.int64))
+        loss = stage.step(sample[:, :-1], sample[:, 1:], batch * seq, (mine, seq, m["hidden"]))
+        stage.adam(state["adam_step"] + j + 1)
+        if topo.last:
+            total = loss.detach().clone()
+            if topo.dp > 1:
+                dist.all_reduce(total, group=topo.dp_group)
+            used = [None] * topo.dp
+            dist.all_gather_object(used, ids[j * mine:(j + 1) * mine].tolist(), group=topo.dp_group)
+            if log:
+                log.write(json.dumps({"iteration": iteration + 1, "config": args.config,
+                                      "loss": total.item(),
+                                      "sample_ids": [i for part in used for i in part]}) + "\n")
+                log.flush()
+
+    done = state["iteration"] + args.iterations
+    if args.save:
+        dist.barrier()
+        if topo.dp_rank == 0:
+            out = f"{mnt}/ckpt/step-{done:08d}/rank-{rank:05d}"
+            os.makedirs(f"{out}/extra", exist_ok=True)
+            with open(f"{out}/extra/state.json", "w") as f:
+                json.dump({"iteration": done, "adam_step": state["adam_step"] + args.iterations,
+                           "saved_under": args.config}, f)
+            meta = {"scalai.step": str(done), "scalai.rank": str(rank)}
+            if rank == 0:
+                meta["scalai.consumed_samples"] = str(done * batch)
+            write_safetensors(f"{out}/model.safetensors", stage.tensors(), meta)
+        dist.barrier()
+        if rank == 0:
+            assert os.readlink(f"{mnt}/ckpt/latest") == f"step-{done:08d}", \
+                open(f"{mnt}/status").read()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
