@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
-#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -183,20 +182,11 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
 absl::Status Tree::AddExtraFiles(const Store& store, const StepRecord& step,
                                  int rank, uint64_t extra_dir,
                                  std::map<std::string, int>& blobs) {
-  if (step.extra.empty()) return absl::OkStatus();
-  auto saved = ParallelConfig::Parse(step.extra_config);
-  if (!saved.ok()) {
-    return absl::DataLossError(
-        absl::StrCat("catalog record step ", step.step, ": bad extra_config"));
-  }
-  std::set<int> saved_ranks;
-  for (const auto& [r, files] : step.extra) saved_ranks.insert(r);
-  std::optional<int> source =
-      ExtraSourceRank(*saved, saved_ranks, config_, rank);
-  if (!source) return absl::OkStatus();
+  ASSIGN_OR_RETURN(std::vector<ExtraFile> files,
+                   step.ExtraFilesSeenBy(config_, rank));
   // Directories made so far, by their path below extra/.
   std::map<std::string, uint64_t> dirs = {{"", extra_dir}};
-  for (const ExtraFile& f : step.extra.at(*source)) {
+  for (const ExtraFile& f : files) {
     uint64_t parent = extra_dir;
     std::string at;
     std::vector<std::string> parts = absl::StrSplit(f.path, '/');

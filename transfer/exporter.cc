@@ -142,17 +142,9 @@ absl::Status MakeOutDir(const std::string& dir) {
 absl::Status ExportExtraFiles(const Store& store, const StepRecord& step,
                               const ParallelConfig& config, int rank,
                               const std::string& out) {
-  if (step.extra.empty()) return absl::OkStatus();
-  auto saved = ParallelConfig::Parse(step.extra_config);
-  if (!saved.ok()) {
-    return absl::DataLossError(
-        absl::StrCat("catalog record step ", step.step, ": bad extra_config"));
-  }
-  std::set<int> ranks;
-  for (const auto& [r, files] : step.extra) ranks.insert(r);
-  std::optional<int> source = ExtraSourceRank(*saved, ranks, config, rank);
-  if (!source) return absl::OkStatus();
-  for (const ExtraFile& f : step.extra.at(*source)) {
+  ASSIGN_OR_RETURN(std::vector<ExtraFile> files,
+                   step.ExtraFilesSeenBy(config, rank));
+  for (const ExtraFile& f : files) {
     const std::string path =
         absl::StrFormat("%s/rank-%05d/extra/%s", out, rank, f.path);
     for (size_t slash = path.find('/', out.size() + 1);

@@ -412,6 +412,18 @@ std::string Store::EncodeStep(const StepRecord& step) {
   return j.dump();
 }
 
+absl::StatusOr<std::vector<ExtraFile>> StepRecord::ExtraFilesSeenBy(
+    const ParallelConfig& config, int rank) const {
+  if (extra.empty()) return std::vector<ExtraFile>();
+  auto saved = ParallelConfig::Parse(extra_config);
+  if (!saved.ok()) return Corrupt(absl::StrCat("step ", step));
+  std::set<int> ranks;
+  for (const auto& [r, files] : extra) ranks.insert(r);
+  std::optional<int> source = ExtraSourceRank(*saved, ranks, config, rank);
+  if (!source) return std::vector<ExtraFile>();
+  return extra.at(*source);
+}
+
 std::vector<std::string> StepRecord::ExtraBlobs() const {
   std::vector<std::string> blobs;
   for (const auto& [rank, files] : extra) {

@@ -53,6 +53,10 @@ struct StepRecord {
   bool full() const { return config == "full"; }
   // Every blob the step's extra files use.
   std::vector<std::string> ExtraBlobs() const;
+  // The extra files that rank `rank` of `config` sees (ExtraSourceRank);
+  // empty when no saved rank it maps to saved any.
+  absl::StatusOr<std::vector<ExtraFile>> ExtraFilesSeenBy(
+      const ParallelConfig& config, int rank) const;
 };
 
 // Where the tensors of one stored shard group lie: tensor k of the group's
