@@ -47,6 +47,14 @@ struct ImportPlan {
       replicas;  // dp_rank > 0 shard, its group's file
   std::optional<int64_t> step_in_metadata;
   std::optional<int64_t> consumed_samples;  // rank 0's, when it says
+  // Files under SRC/rank-R/extra/, stored whole: (rank, path below extra/,
+  // the file).
+  struct Extra {
+    int rank = 0;
+    std::string path;
+    std::string source;
+  };
+  std::vector<Extra> extras;
 };
 
 absl::Status UserError(absl::string_view label, absl::string_view why) {
@@ -198,6 +206,33 @@ absl::StatusOr<Model> InferModel(
   return model;
 }
 
+// Every regular file below `dir`, as paths relative to it, in name order.
+absl::Status ListFiles(const std::string& dir, const std::string& prefix,
+                       std::vector<std::string>& out) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return ErrnoError(errno, "list", dir);
+  std::vector<std::string> names;
+  while (struct dirent* e = readdir(d)) {
+    std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(name);
+  }
+  closedir(d);
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) {
+    const std::string path = dir + "/" + name;
+    struct stat st;
+    if (stat(path.c_str(), &st) != 0) return ErrnoError(errno, "stat", path);
+    if (S_ISDIR(st.st_mode)) {
+      RETURN_IF_ERROR(ListFiles(path, prefix + name + "/", out));
+    } else if (S_ISREG(st.st_mode)) {
+      out.push_back(prefix + name);
+    } else {
+      return UserError(path, "is neither a file nor a directory");
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PlanShards(const Store& store, const ImportOptions& o,
                         ImportPlan& plan) {
   const ParallelConfig& config = o.config;
@@ -268,6 +303,14 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
                               " (a data-parallel copy must be identical)"));
     }
     plan.replicas.emplace_back(std::move(replica), g);
+  }
+  for (const auto& [rank, name] : rank_dirs) {
+    const std::string extra = o.src + "/" + name + "/extra";
+    if (!IsDir(extra)) continue;
+    std::vector<std::string> paths;
+    RETURN_IF_ERROR(ListFiles(extra, "", paths));
+    for (std::string& path : paths)
+      plan.extras.push_back({rank, path, extra + "/" + path});
   }
   plan.step_in_metadata = MetadataCount(group_files[0].header, "scalai.step");
   plan.consumed_samples =
@@ -397,28 +440,37 @@ absl::Status PlanIndex(const Store& store, const std::string& dir,
   return PlanFull(store, paths, labels, &weight_map, plan);
 }
 
-// Copies `src` to a new blob file, hashing on the way; the caller syncs.
-absl::StatusOr<BlobRecord> CopyToBlob(const SourceFile& src,
-                                      const std::string& blob_path,
-                                      Progress& progress) {
+// Copies the file at `path` to a new blob file, hashing on the way; the
+// caller syncs.
+absl::StatusOr<BlobRecord> CopyFileToBlob(const std::string& path,
+                                          const std::string& blob_path,
+                                          Progress* progress) {
   ASSIGN_OR_RETURN(UniqueFd out,
                    OpenFile(blob_path, O_WRONLY | O_CREAT | O_EXCL, 0600));
   XXH3_state_t* state = XXH3_createState();
   absl::Cleanup free_state = [state] { XXH3_freeState(state); };
   XXH3_64bits_reset(state);
   int64_t size = 0;
-  RETURN_IF_ERROR(ReadChunks(src.path, [&](const char* data, int64_t n) {
+  RETURN_IF_ERROR(ReadChunks(path, [&](const char* data, int64_t n) {
     XXH3_64bits_update(state, data, n);
     RETURN_IF_ERROR(WriteAll(out.get(), data, n, blob_path));
     size += n;
-    progress.Add(n);
+    if (progress != nullptr) progress->Add(n);
     if (size % (32 << 20) < n) StartWriteback(out.get());
     return absl::OkStatus();
   }));
-  if (size != src.header.file_size()) {
+  return BlobRecord{size, XXH3_64bits_digest(state), 0};
+}
+
+absl::StatusOr<BlobRecord> CopyToBlob(const SourceFile& src,
+                                      const std::string& blob_path,
+                                      Progress& progress) {
+  ASSIGN_OR_RETURN(BlobRecord blob,
+                   CopyFileToBlob(src.path, blob_path, &progress));
+  if (blob.size != src.header.file_size()) {
     return UserError(src.label, "changed while it was imported");
   }
-  return BlobRecord{size, XXH3_64bits_digest(state), 0};
+  return blob;
 }
 
 absl::Status CompareReplica(const SourceFile& replica,
@@ -474,10 +526,13 @@ absl::StatusOr<ImportResult> ImportCheckpoint(Store& store,
   // to the orphan sweep of the next open.
   std::vector<std::string> names(plan.files.size());
   for (std::string& n : names) n = Store::NewBlobName();
+  std::vector<std::string> extra_names(plan.extras.size());
+  for (std::string& n : extra_names) n = Store::NewBlobName();
   bool committed = false;
   absl::Cleanup remove_blobs = [&] {
     if (committed) return;
     for (const std::string& n : names) unlink(store.BlobPath(n).c_str());
+    for (const std::string& n : extra_names) unlink(store.BlobPath(n).c_str());
   };
   int64_t total = 0;
   for (const SourceFile& f : plan.files) total += f.header.file_size();
@@ -491,15 +546,25 @@ absl::StatusOr<ImportResult> ImportCheckpoint(Store& store,
         blobs[i].step = step;
         return absl::OkStatus();
       }));
+  StepRecord record;
+  Catalog::Batch batch;
+  for (size_t i = 0; i < plan.extras.size(); ++i) {
+    const ImportPlan::Extra& e = plan.extras[i];
+    ASSIGN_OR_RETURN(
+        BlobRecord blob,
+        CopyFileToBlob(e.source, store.BlobPath(extra_names[i]), nullptr));
+    blob.step = step;
+    batch.Put(Table::kBlobs, extra_names[i], Store::EncodeBlob(blob));
+    record.extra[e.rank].push_back({e.path, extra_names[i], blob.size});
+    record.extra_config = plan.stored_config;
+  }
   // The blobs and their names become durable before the record naming them.
   RETURN_IF_ERROR(SyncFilesystem(store.blob_dir()));
 
-  StepRecord record;
   record.step = step;
   record.config = plan.stored_config;
   record.groups = static_cast<int>(plan.groups.size());
   record.consumed_samples = plan.consumed_samples;
-  Catalog::Batch batch;
   for (size_t g = 0; g < plan.groups.size(); ++g) {
     ShardRecord& shard = plan.groups[g];
     // Per-rank shards: group g is file g; a full model spans every file.

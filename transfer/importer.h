@@ -1,6 +1,7 @@
 // Imports a checkpoint into a store as one new step: per-rank shards
-// (SRC/rank-NNNNN/model.safetensors), one full .safetensors model, or a Hugging
-// Face sharded directory (model.safetensors.index.json). Everything is checked
+// (SRC/rank-NNNNN/model.safetensors, with the files under rank-NNNNN/extra/
+// kept whole), one full .safetensors model, or a Hugging Face sharded
+// directory (model.safetensors.index.json). Everything is checked
 // before a byte is copied; files are copied verbatim into new blobs, fsynced,
 // and committed in one catalog batch, so a failure or a kill leaves no step.
 //

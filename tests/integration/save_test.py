@@ -288,13 +288,30 @@ def main():
         save_step(mnt, 400, {0: expected(full, SAVED, LAYERS, DIVISOR)[0]}, SAVED)
         run("umount", mnt)
         run("fsck", store)
-        # Export writes the extra/ files each exported rank sees.
+        # Export writes the extra/ files each exported rank sees, and import
+        # takes them back: a round trip through another store.
+        def exported_extra(out, rank):
+            base = f"{out}/rank-{rank:05d}/extra"
+            return {os.path.relpath(os.path.join(d, n), base): open(os.path.join(d, n), "rb").read()
+                    for d, _, names in os.walk(base) for n in names}
         run("export", store, f"{tmp}/out", "--config", "tp=2,pp=1,dp=1", "--step", "350")
         for rank in (0, 1):
-            base = f"{tmp}/out/rank-{rank:05d}/extra"
-            got = {os.path.relpath(os.path.join(d, n), base): open(os.path.join(d, n), "rb").read()
-                   for d, _, names in os.walk(base) for n in names}
-            assert got == extra_of(rank), (rank, sorted(got))
+            assert exported_extra(f"{tmp}/out", rank) == extra_of(rank), rank
+        run("init", f"{tmp}/store2", *LAYOUT)
+        run("import", f"{tmp}/store2", f"{tmp}/out", "--config", "tp=2,pp=1,dp=1")
+        run("fsck", f"{tmp}/store2")
+        run("export", f"{tmp}/store2", f"{tmp}/out2", "--config", "tp=2,pp=1,dp=1")
+        for rank in (0, 1):
+            assert exported_extra(f"{tmp}/out2", rank) == extra_of(rank), rank
+        run("export", f"{tmp}/store2", f"{tmp}/out1", "--config", "tp=1,pp=1,dp=1")
+        assert exported_extra(f"{tmp}/out1", 0) == extra_of(0)
+        os.mkfifo(f"{tmp}/out/rank-00001/extra/pipe")
+        err = run("import", f"{tmp}/store2", f"{tmp}/out", "--config", "tp=2,pp=1,dp=1",
+                  "--step", "351", expect=1).stderr
+        assert "rank-00001/extra/pipe: is neither a file nor a directory" in err, err
+        info = json.loads(run("inspect", f"{tmp}/store2", "--json").stdout)
+        assert [st["step"] for st in info["steps"]] == [350], info["steps"]
+        assert info["blobs"] == len(os.listdir(f"{tmp}/store2/blobs")), info
         run("mount", store, mnt, "--keep-steps", "2")
         assert sorted(os.listdir(f"{mnt}/ckpt")) == ["latest", "step-00000100", "step-00000200",
                                                     "step-00000300", "step-00000350"]
