@@ -976,14 +976,13 @@ absl::Status SameAsCommitted(const Tree& tree, const Node& node,
   const int64_t committed_start = static_cast<int64_t>(node.text.size());
   const int64_t bytes = node.size - committed_start;
   bool same = got == 8 && file.size() - start == bytes;
-  constexpr int64_t kChunk = 1 << 20;
-  std::vector<char> a(kChunk), b(kChunk);
-  for (int64_t at = 0; same && at < bytes; at += kChunk) {
-    const int64_t n = std::min(kChunk, bytes - at);
-    ASSIGN_OR_RETURN(int64_t got_a, file.Read(a.data(), n, start + at));
-    ASSIGN_OR_RETURN(int64_t got_b,
-                     tree.Read(node, committed_start + at, n, b.data()));
-    same = got_a == n && got_b == n && std::memcmp(a.data(), b.data(), n) == 0;
+  if (same) {
+    ASSIGN_OR_RETURN(same, SameBytes(
+                               file.Reader(), start,
+                               [&](char* out, int64_t size, int64_t offset) {
+                                 return tree.Read(node, offset, size, out);
+                               },
+                               committed_start, bytes));
   }
   if (same) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(

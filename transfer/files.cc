@@ -5,10 +5,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "ptc/status_macros.h"
 
 namespace scalai {
 
@@ -119,6 +123,21 @@ absl::Status SyncDir(const std::string& dir) {
 }  // namespace scalai
 
 namespace scalai {
+
+absl::StatusOr<bool> SameBytes(const RangeReader& a, int64_t a_offset,
+                               const RangeReader& b, int64_t b_offset,
+                               int64_t bytes) {
+  constexpr int64_t kChunk = 1 << 20;
+  std::vector<char> x(std::min(kChunk, bytes)), y(x.size());
+  for (int64_t at = 0; at < bytes; at += kChunk) {
+    const int64_t n = std::min(kChunk, bytes - at);
+    ASSIGN_OR_RETURN(int64_t got_x, a(x.data(), n, a_offset + at));
+    ASSIGN_OR_RETURN(int64_t got_y, b(y.data(), n, b_offset + at));
+    if (got_x != n || got_y != n || std::memcmp(x.data(), y.data(), n) != 0)
+      return false;
+  }
+  return true;
+}
 
 void StartWriteback(int fd) {
   // Advisory: a failure only means the final sync does all the work.

@@ -64,6 +64,14 @@ absl::Status ReadChunks(
     const std::string& path,
     const std::function<absl::Status(const char*, int64_t)>& chunk);
 absl::StatusOr<int64_t> FileSize(const std::string& path);
+// Reads up to `size` bytes at `offset` into `out`; returns how many it read.
+using RangeReader = std::function<absl::StatusOr<int64_t>(
+    char* out, int64_t size, int64_t offset)>;
+// Whether `bytes` bytes of `a` from `a_offset` equal those of `b` from
+// `b_offset`, compared a MiB at a time; a short read counts as different.
+absl::StatusOr<bool> SameBytes(const RangeReader& a, int64_t a_offset,
+                               const RangeReader& b, int64_t b_offset,
+                               int64_t bytes);
 // fsync of a directory, so that names created in it survive a crash.
 absl::Status SyncDir(const std::string& dir);
 // Makes everything written to the filesystem holding `path` durable (syncfs).

@@ -107,6 +107,12 @@ absl::StatusOr<int64_t> ShardFile::Read(char* out, int64_t size,
   return done;
 }
 
+RangeReader ShardFile::Reader() const {
+  return [this](char* out, int64_t size, int64_t offset) {
+    return Read(out, size, offset);
+  };
+}
+
 int64_t ShardFile::size() const {
   std::lock_guard<std::mutex> lock(mu_);
   return size_;
@@ -257,16 +263,11 @@ absl::Status StepWriter::Close(int rank,
   if (replica != nullptr) {
     // Replicas must hold the same tensor bytes; their headers may differ
     // (scalai.rank), so the data after each header is compared.
-    const int64_t a0 = checked.data_start;
-    const int64_t b0 = replica->checked_.data_start;
     bool same = checked.data_bytes == replica->checked_.data_bytes;
-    std::vector<char> a(kChunk), b(kChunk);
-    for (int64_t at = 0; same && at < checked.data_bytes; at += kChunk) {
-      const int64_t n = std::min(kChunk, checked.data_bytes - at);
-      ASSIGN_OR_RETURN(int64_t got_a, file->Read(a.data(), n, a0 + at));
-      ASSIGN_OR_RETURN(int64_t got_b, replica->Read(b.data(), n, b0 + at));
-      same =
-          got_a == n && got_b == n && std::memcmp(a.data(), b.data(), n) == 0;
+    if (same) {
+      ASSIGN_OR_RETURN(
+          same, SameBytes(file->Reader(), checked.data_start, replica->Reader(),
+                          replica->checked_.data_start, checked.data_bytes));
     }
     if (!same) {
       return absl::InvalidArgumentError(absl::StrCat(

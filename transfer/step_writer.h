@@ -59,6 +59,8 @@ class ShardFile {
   absl::Status Sync();
   // Reads back what was written; returns the bytes read.
   absl::StatusOr<int64_t> Read(char* out, int64_t size, int64_t offset) const;
+  // Read, for SameBytes; valid while the file lives.
+  RangeReader Reader() const;
   int64_t size() const;
   const std::string& blob() const { return blob_; }
   // XXH3 of the whole file as it is now.

@@ -209,6 +209,15 @@ def main():
             check_bytes(mnt, full2, config, LAYERS, DIVISOR)
         run("reconfigure", mnt, SAVED, "--wait")
         print("saved by 8 processes, committed, read back under 2 other configs")
+        # Saving a committed shard again (a late replica) is taken only if
+        # its tensors are identical; a committed step never changes.
+        committed = f"{mnt}/ckpt/step-00000200/rank-00003/model.safetensors"
+        again = safetensors_bytes(expected(full2, SAVED, LAYERS, DIVISOR)[3], {"scalai.rank": "3"})
+        assert write_bad(committed, again) == 0, status(mnt)
+        changed = safetensors_bytes(expected(full, SAVED, LAYERS, DIVISOR)[3])
+        assert write_bad(committed, changed) == errno.EIO
+        assert "differs from the committed shard" in status(mnt)["error"], status(mnt)
+        check_bytes(mnt, full2, SAVED, LAYERS, DIVISOR)
 
         # Bad shards: each fails its close with EIO and a reason in status.
         good = expected(full, SAVED, LAYERS, DIVISOR)[1]
