@@ -16,6 +16,7 @@
 #include "ptc/status_macros.h"
 #include "transfer/box_copy.h"
 #include "transfer/step_bytes.h"
+#include "transfer/write_behind.h"
 
 namespace scalai {
 namespace {
@@ -27,30 +28,61 @@ struct OutputFile {
   std::map<std::string, std::string> metadata;
 };
 
-// Appends `length` bytes from `offset` within a stored tensor to `out_fd`:
-// inside the kernel (as cp does), or from the mapping where it cannot.
-absl::Status AppendStored(const StepBytes::Tensor& t, int64_t offset,
-                          int64_t length, int out_fd, const std::string& path) {
-  loff_t in = t.offset + offset;
-  int64_t done = 0;
-  while (done < length) {
-    ssize_t n = copy_file_range(t.fd, &in, out_fd, nullptr, length - done, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) break;  // EXDEV, ENOSYS, EINVAL: fall back to the mapping
-    done += n;
-  }
-  return WriteAll(out_fd, t.data + offset + done, length - done, path);
-}
+// An output file written front to back, streamed to disk as it grows
+// (WriteBehind), a span at a time so that the disk keeps up with the copy.
+class OutputStream {
+ public:
+  OutputStream(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
 
-absl::Status AppendZeros(int64_t length, int out_fd, const std::string& path) {
-  static const std::vector<std::byte> zeros(1 << 20);
-  for (int64_t done = 0; done < length;) {
-    int64_t n = std::min<int64_t>(length - done, zeros.size());
-    RETURN_IF_ERROR(WriteAll(out_fd, zeros.data(), n, path));
-    done += n;
+  absl::Status Write(const void* data, int64_t length) {
+    const char* at = static_cast<const char*>(data);
+    for (int64_t done = 0; done < length;) {
+      const int64_t n = std::min(length - done, WriteBehind::kSpanBytes);
+      RETURN_IF_ERROR(WriteAll(fd_, at + done, n, path_));
+      RETURN_IF_ERROR(Advance(n));
+      done += n;
+    }
+    return absl::OkStatus();
   }
-  return absl::OkStatus();
-}
+
+  // `length` bytes from `offset` within a stored tensor: inside the kernel
+  // (as cp does), or from the mapping where it cannot.
+  absl::Status CopyStored(const StepBytes::Tensor& t, int64_t offset,
+                          int64_t length) {
+    loff_t in = t.offset + offset;
+    int64_t done = 0;
+    while (done < length) {
+      const int64_t want = std::min(length - done, WriteBehind::kSpanBytes);
+      ssize_t n = copy_file_range(t.fd, &in, fd_, nullptr, want, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;  // EXDEV, ENOSYS, EINVAL: fall back to the mapping
+      RETURN_IF_ERROR(Advance(n));
+      done += n;
+    }
+    return Write(t.data + offset + done, length - done);
+  }
+
+  absl::Status Zeros(int64_t length) {
+    static const std::vector<std::byte> zeros(1 << 20);
+    for (int64_t done = 0; done < length;) {
+      const int64_t n = std::min<int64_t>(length - done, zeros.size());
+      RETURN_IF_ERROR(Write(zeros.data(), n));
+      done += n;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status Advance(int64_t n) {
+    written_ += n;
+    return WriteBehind::Apply(fd_, behind_.Advance(written_), path_);
+  }
+
+  int fd_;
+  std::string path_;
+  int64_t written_ = 0;
+  WriteBehind behind_;
+};
 
 // Segments at least this long (on average) are copied inside the kernel;
 // shorter ones (rows of a split along dim 1) are gathered in memory first.
@@ -73,8 +105,9 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
   const std::string tmp = path + ".tmp";
   ASSIGN_OR_RETURN(UniqueFd out,
                    OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644));
+  OutputStream stream(out.get(), tmp);
   std::string head = header.Serialize();
-  RETURN_IF_ERROR(WriteAll(out.get(), head.data(), head.size(), tmp));
+  RETURN_IF_ERROR(stream.Write(head.data(), head.size()));
   std::vector<std::byte> buffer;
   for (ShardRef r : file.shards) {
     const TensorShard& dst = to.shards(r.group)[r.shard];
@@ -82,10 +115,8 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
     ShardRef same = plan.in_place_source(r.group, r.shard);
     if (same.valid()) {
       // An identical stored shard: its bytes go out as they are.
-      RETURN_IF_ERROR(
-          AppendStored(src.tensor(same), 0, dst.bytes, out.get(), tmp));
+      RETURN_IF_ERROR(stream.CopyStored(src.tensor(same), 0, dst.bytes));
       progress.Add(dst.bytes);
-      StartWriteback(out.get());
       continue;
     }
     ASSIGN_OR_RETURN(std::vector<Segment> segments,
@@ -94,10 +125,10 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
         dst.bytes) {
       for (const Segment& seg : segments) {
         if (seg.src.valid()) {
-          RETURN_IF_ERROR(AppendStored(src.tensor(seg.src), seg.src_offset,
-                                       seg.length, out.get(), tmp));
+          RETURN_IF_ERROR(stream.CopyStored(src.tensor(seg.src), seg.src_offset,
+                                            seg.length));
         } else {
-          RETURN_IF_ERROR(AppendZeros(seg.length, out.get(), tmp));
+          RETURN_IF_ERROR(stream.Zeros(seg.length));
         }
       }
     } else {
@@ -113,10 +144,9 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
                 buffer.data(), dst.local_shape, op.dst.origin(), op.dst.shape(),
                 elem);
       }
-      RETURN_IF_ERROR(WriteAll(out.get(), buffer.data(), dst.bytes, tmp));
+      RETURN_IF_ERROR(stream.Write(buffer.data(), dst.bytes));
     }
     progress.Add(dst.bytes);
-    StartWriteback(out.get());
   }
   if (rename(tmp.c_str(), path.c_str()) != 0)
     return ErrnoError(errno, "rename", tmp);

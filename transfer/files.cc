@@ -139,11 +139,6 @@ absl::StatusOr<bool> SameBytes(const RangeReader& a, int64_t a_offset,
   return true;
 }
 
-void StartWriteback(int fd) {
-  // Advisory: a failure only means the final sync does all the work.
-  (void)sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
-}
-
 absl::Status SyncFilesystem(const std::string& path) {
   auto fd = OpenFile(path, O_RDONLY);
   if (!fd.ok()) return fd.status();

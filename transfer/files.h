@@ -79,10 +79,6 @@ absl::Status SyncDir(const std::string& dir);
 // which is much faster than an fsync per file (measured: 2x on this machine's
 // disk, see tools/bench_store.sh), and it covers their directory entries too.
 absl::Status SyncFilesystem(const std::string& path);
-// Asks the kernel to start writing `fd`'s dirty pages back now, without
-// waiting, so that the disk works while the copy goes on and the final sync
-// has less left to do (measured: the export's final sync 1.0 s instead of 2.1).
-void StartWriteback(int fd);
 
 }  // namespace scalai
 

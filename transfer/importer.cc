@@ -22,6 +22,7 @@
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
 #include "transfer/shard_check.h"
+#include "transfer/write_behind.h"
 #include "xxhash.h"
 
 namespace scalai {
@@ -451,13 +452,13 @@ absl::StatusOr<BlobRecord> CopyFileToBlob(const std::string& path,
   absl::Cleanup free_state = [state] { XXH3_freeState(state); };
   XXH3_64bits_reset(state);
   int64_t size = 0;
+  WriteBehind behind;
   RETURN_IF_ERROR(ReadChunks(path, [&](const char* data, int64_t n) {
     XXH3_64bits_update(state, data, n);
     RETURN_IF_ERROR(WriteAll(out.get(), data, n, blob_path));
     size += n;
     if (progress != nullptr) progress->Add(n);
-    if (size % (32 << 20) < n) StartWriteback(out.get());
-    return absl::OkStatus();
+    return WriteBehind::Apply(out.get(), behind.Advance(size), blob_path);
   }));
   return BlobRecord{size, XXH3_64bits_digest(state), 0};
 }

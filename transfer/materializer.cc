@@ -15,6 +15,7 @@
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
 #include "transfer/step_view.h"
+#include "transfer/write_behind.h"
 
 namespace scalai {
 namespace {
@@ -119,11 +120,7 @@ class BlobWriter {
     XXH3_64bits_update(state_, data, n);
     RETURN_IF_ERROR(WriteAll(out_.get(), data, n, path_));
     written_ += n;
-    if (written_ - started_ >= kProgressBytes) {
-      StartWriteback(out_.get());
-      started_ = written_;
-    }
-    return absl::OkStatus();
+    return WriteBehind::Apply(out_.get(), behind_.Advance(written_), path_);
   }
 
   UniqueFd out_;
@@ -131,7 +128,7 @@ class BlobWriter {
   std::unique_ptr<char[]> window_;
   int64_t used_ = 0;
   int64_t written_ = 0;
-  int64_t started_ = 0;  // written_ when write-back was last started
+  WriteBehind behind_{WriteBehind::Pages::kKeep};
   XXH3_state_t* state_;
 };
 

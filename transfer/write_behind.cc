@@ -18,7 +18,7 @@ WriteBehind::Spans WriteBehind::Advance(int64_t frontier) {
     started_ = whole;
   }
   const int64_t behind = std::max<int64_t>(0, started_ - kWindowBytes);
-  if (behind > dropped_) {
+  if (pages_ == Pages::kDrop && behind > dropped_) {
     spans.drop_from = dropped_;
     spans.drop_to = behind;
     dropped_ = behind;

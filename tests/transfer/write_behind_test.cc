@@ -50,6 +50,14 @@ TEST(WriteBehind, NothingIsDueBeforeAWholeSpan) {
   EXPECT_EQ(s.drop_to, s.drop_from);
 }
 
+TEST(WriteBehind, KeepOnlyStartsWriteback) {
+  WriteBehind behind(WriteBehind::Pages::kKeep);
+  const WriteBehind::Spans s = behind.Advance(10 * kSpan);
+  EXPECT_EQ(s.start_from, 0);
+  EXPECT_EQ(s.start_to, 10 * kSpan);
+  EXPECT_EQ(s.drop_to, s.drop_from);
+}
+
 TEST(WriteBehind, ResetStartsOverForAnEmptiedFile) {
   WriteBehind behind;
   behind.Advance(5 * kSpan);
