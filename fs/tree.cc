@@ -198,14 +198,9 @@ absl::Status Tree::AddExtraFiles(const Store& store, const StepRecord& step,
     }
     auto [blob, added] = blobs.try_emplace(f.blob, extras_.size());
     if (added) {
-      ASSIGN_OR_RETURN(MappedFile map,
-                       MappedFile::Open(store.BlobPath(f.blob)));
-      if (map.size() != f.size) {
-        return absl::DataLossError(absl::StrCat(
-            "step ", step.step, " extra/", f.path, ": blob ", f.blob, " has ",
-            map.size(), " bytes, the catalog says ", f.size));
-      }
-      extras_.push_back(std::move(map));
+      extras_.push_back(std::make_unique<ExtraBlob>());
+      extras_.back()->path = store.BlobPath(f.blob);
+      extras_.back()->size = f.size;
     }
     Node& file = Add(parent, parts.back(), NodeKind::kFile, 0444);
     file.size = f.size;
@@ -537,7 +532,19 @@ absl::StatusOr<int64_t> Tree::Read(const Node& node, int64_t offset,
     return length;
   }
   if (node.extra >= 0) {
-    std::memcpy(out, extras_[node.extra].data() + offset, length);
+    // Mapped at the first read: a job's many steps and ranks may name far
+    // more extra files than a process may map, and few are ever read.
+    ExtraBlob& blob = *extras_[node.extra];
+    std::call_once(blob.once, [&blob] {
+      blob.map = MappedFile::Open(blob.path);
+      if (blob.map.ok() && blob.map->size() != blob.size) {
+        blob.map = absl::DataLossError(
+            absl::StrCat(blob.path, " has ", blob.map->size(),
+                         " bytes, the catalog says ", blob.size));
+      }
+    });
+    if (!blob.map.ok()) return blob.map.status();
+    std::memcpy(out, blob.map->data() + offset, length);
     return length;
   }
   if (node.view < 0) {

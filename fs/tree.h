@@ -194,7 +194,14 @@ class Tree {
     uint64_t ino_base = 0;               // see InoOf
   };
   std::vector<Dataset> datasets_;
-  std::vector<MappedFile> extras_;  // the blobs of extra/ files
+  // The blobs of extra/ files, each mapped once at its first read.
+  struct ExtraBlob {
+    std::string path;
+    int64_t size = 0;
+    std::once_flag once;
+    absl::StatusOr<MappedFile> map;  // set once, under `once`
+  };
+  std::vector<std::unique_ptr<ExtraBlob>> extras_;
   // The nodes of each step's directory, by index: [first, end).
   std::map<int64_t, std::pair<size_t, size_t>> step_nodes_;
   // Start of each tensor in a group's model.safetensors data: [view][group].
