@@ -1,5 +1,6 @@
 #include "transfer/files.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -111,6 +112,19 @@ absl::StatusOr<int64_t> FileSize(const std::string& path) {
   struct stat st;
   if (stat(path.c_str(), &st) != 0) return ErrnoError(errno, "stat", path);
   return static_cast<int64_t>(st.st_size);
+}
+
+absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (d == nullptr) return ErrnoError(errno, "list", dir);
+  std::vector<std::string> names;
+  while (struct dirent* e = readdir(d)) {
+    std::string name = e->d_name;
+    if (name != "." && name != "..") names.push_back(std::move(name));
+  }
+  closedir(d);
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
 absl::Status SyncDir(const std::string& dir) {

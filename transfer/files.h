@@ -13,6 +13,7 @@
 #include <functional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -72,6 +73,8 @@ using RangeReader = std::function<absl::StatusOr<int64_t>(
 absl::StatusOr<bool> SameBytes(const RangeReader& a, int64_t a_offset,
                                const RangeReader& b, int64_t b_offset,
                                int64_t bytes);
+// The names in `dir` but "." and "..", in name order.
+absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir);
 // fsync of a directory, so that names created in it survive a crash.
 absl::Status SyncDir(const std::string& dir);
 // Makes everything written to the filesystem holding `path` durable (syncfs).

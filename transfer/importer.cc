@@ -1,6 +1,5 @@
 #include "transfer/importer.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -210,15 +209,7 @@ absl::StatusOr<Model> InferModel(
 // Every regular file below `dir`, as paths relative to it, in name order.
 absl::Status ListFiles(const std::string& dir, const std::string& prefix,
                        std::vector<std::string>& out) {
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return ErrnoError(errno, "list", dir);
-  std::vector<std::string> names;
-  while (struct dirent* e = readdir(d)) {
-    std::string name = e->d_name;
-    if (name != "." && name != "..") names.push_back(name);
-  }
-  closedir(d);
-  std::sort(names.begin(), names.end());
+  ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(dir));
   for (const std::string& name : names) {
     const std::string path = dir + "/" + name;
     struct stat st;
@@ -238,10 +229,8 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
                         ImportPlan& plan) {
   const ParallelConfig& config = o.config;
   std::map<int, std::string> rank_dirs;
-  DIR* d = opendir(o.src.c_str());
-  if (d == nullptr) return ErrnoError(errno, "list", o.src);
-  while (struct dirent* e = readdir(d)) {
-    std::string name = e->d_name;
+  ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(o.src));
+  for (const std::string& name : names) {
     int rank = 0;
     if (name.size() == 10 && name.rfind("rank-", 0) == 0 &&
         std::all_of(name.begin() + 5, name.end(), ::isdigit)) {
@@ -249,7 +238,6 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
       rank_dirs[rank] = name;
     }
   }
-  closedir(d);
   for (const auto& [rank, name] : rank_dirs) {
     if (rank >= config.world_size()) {
       return UserError(o.src + "/" + name,

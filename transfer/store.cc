@@ -1,6 +1,5 @@
 #include "transfer/store.h"
 
-#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -30,18 +29,6 @@ absl::StatusOr<json> ParseRecord(const std::string& text,
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return Corrupt(what);
   return j;
-}
-
-absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir) {
-  DIR* d = opendir(dir.c_str());
-  if (d == nullptr) return ErrnoError(errno, "list", dir);
-  std::vector<std::string> names;
-  while (struct dirent* e = readdir(d)) {
-    std::string name = e->d_name;
-    if (name != "." && name != "..") names.push_back(name);
-  }
-  closedir(d);
-  return names;
 }
 
 absl::StatusOr<UniqueFd> Lock(const std::string& dir, bool exclusive) {

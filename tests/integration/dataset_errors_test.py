@@ -8,7 +8,6 @@ import errno
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -16,12 +15,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dataset_files import megatron_idx, write_jsonl, write_megatron  # noqa
+from harness import Mounts, require_fuse  # noqa
+from dataset_files import write_jsonl, write_megatron  # noqa
 from reference import scalai  # noqa
 from views import status  # noqa
 
 BIN = sys.argv[1]
-MNT = []  # the test's mountpoint, for the cleanup
+MOUNTS = Mounts()
 
 
 def run(*args, expect=0):
@@ -46,14 +46,12 @@ def refused(store, files, why, fmt="megatron", batch="4", name="bad"):
 
 
 def main():
-    if not os.path.exists("/dev/fuse"):
-        print("no /dev/fuse: skipped")
-        sys.exit(77)
+    require_fuse()
     rng = np.random.default_rng(7)
     with tempfile.TemporaryDirectory() as tmp:
         store, mnt = f"{tmp}/store", f"{tmp}/mnt"
         os.makedirs(mnt)
-        MNT.append(mnt)
+        MOUNTS.add(mnt)
         run("init", store, "--layout", "megatron-core-gpt")
         seqs = [rng.integers(0, 1000, size=n).astype(np.uint16) for n in (5, 9, 3, 7, 4, 6)]
         write_megatron(f"{tmp}/good", seqs, np.uint16)
@@ -149,9 +147,5 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
+    with MOUNTS:
         main()
-    finally:
-        # A failed check must not leave its mount behind.
-        if MNT:
-            subprocess.run(["fusermount3", "-u", "-q", MNT[0]], stderr=subprocess.DEVNULL)

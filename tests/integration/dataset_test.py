@@ -11,8 +11,6 @@ samples.jsonl and sample-ids.u64. Exits 77 only where /dev/fuse is
 missing."""
 import json
 import os
-import random
-import subprocess
 import sys
 import tempfile
 
@@ -20,12 +18,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Mounts, require_fuse, test_seed  # noqa
 from dataset_files import random_records, random_sequences, write_jsonl, write_megatron  # noqa
 from reference import random_gpt, rank_shards, scalai, write_safetensors  # noqa
 from views import status  # noqa
 
 BIN = sys.argv[1]
-MNT = []  # the test's mountpoint, for the cleanup
+MOUNTS = Mounts()
 B = 10
 MODEL = dict(layers=1, hidden=16, heads=2, groups=2, ffn=32, vocab=40)
 
@@ -97,16 +96,13 @@ def commit_step(store, tmp, full, step, consumed=None):
 
 
 def main():
-    if not os.path.exists("/dev/fuse"):
-        print("no /dev/fuse: skipped")
-        sys.exit(77)
-    seed = int(os.environ.get("SCALAI_TEST_SEED", random.randrange(1 << 30)))
-    print(f"seed {seed} (SCALAI_TEST_SEED={seed} repeats this run)")
+    require_fuse()
+    seed = test_seed()
     rng = np.random.default_rng(seed)
     with tempfile.TemporaryDirectory() as tmp:
         store, mnt = f"{tmp}/store", f"{tmp}/mnt"
         os.makedirs(mnt)
-        MNT.append(mnt)
+        MOUNTS.add(mnt)
         # JSONL: two files, the second without a final newline (103 lines).
         web = write_jsonl(f"{tmp}/a.jsonl", random_records(rng, 61))
         web += write_jsonl(f"{tmp}/b.jsonl", random_records(rng, 42), final_newline=False)
@@ -184,9 +180,5 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
+    with MOUNTS:
         main()
-    finally:
-        # A failed check must not leave its mount behind.
-        if MNT:
-            subprocess.run(["fusermount3", "-u", "-q", MNT[0]], stderr=subprocess.DEVNULL)

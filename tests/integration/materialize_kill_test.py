@@ -18,6 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import require_fuse, serve, test_seed  # noqa
 from reference import rank_shards, random_gpt, scalai, write_safetensors  # noqa
 from views import check_bytes, status, wait_ready  # noqa
 
@@ -32,24 +33,13 @@ def run(*args, expect=0):
     return scalai(BIN, *args, expect=expect)
 
 
-def mount(store, mnt):
-    server = subprocess.Popen([BIN, "mount", store, mnt, "--foreground"],
-                              stdout=subprocess.PIPE, text=True)
-    line = server.stdout.readline()
-    assert line.startswith("mounted"), line
-    return server
-
-
 def blob_files(store):
     return len(os.listdir(f"{store}/blobs"))
 
 
 def main():
-    if not os.path.exists("/dev/fuse"):
-        print("no /dev/fuse: skipped")
-        sys.exit(77)
-    seed = int(os.environ.get("SCALAI_TEST_SEED", random.randrange(1 << 30)))
-    print(f"seed {seed} (SCALAI_TEST_SEED={seed} repeats this run)")
+    require_fuse()
+    seed = test_seed()
     r = random.Random(seed)
     full = random_gpt(np.random.default_rng(seed), LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB,
                       gated=True)
@@ -63,7 +53,7 @@ def main():
         run("import", store, src, "--config", CONFIGS[0], "--step", "3")
         os.makedirs(mnt)
         config, window, outcomes = CONFIGS[0], None, []
-        server = mount(store, mnt)
+        server = serve(BIN, store, mnt)
         try:
             for trial in range(TRIALS + 1):
                 # The mount (re)started: it serves the config last switched to at
@@ -92,7 +82,7 @@ def main():
                 fsck = run("fsck", store)
                 print(f"trial {trial}: killed while {state} -> {config}; fsck ok; "
                       f"{blob_files(store)} blob files before the next mount")
-                server = mount(store, mnt)
+                server = serve(BIN, store, mnt)
         except BaseException:
             server.kill()
             subprocess.run(["umount", "-l", mnt])

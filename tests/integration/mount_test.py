@@ -20,6 +20,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import require_fuse  # noqa
 from reference import read_safetensors, write_safetensors, rank_shards, random_gpt, scalai  # noqa
 
 BIN = sys.argv[1]
@@ -48,9 +50,7 @@ def expect_errno(code, fn, *args):
 
 
 def main():
-    if not os.path.exists("/dev/fuse"):
-        print("no /dev/fuse: skipped")
-        sys.exit(77)
+    require_fuse()
     rng = np.random.default_rng(5)
     full = random_gpt(rng, LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, gated=True)
     with tempfile.TemporaryDirectory() as tmp:

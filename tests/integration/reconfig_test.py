@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import require_fuse, serve, test_seed  # noqa
 from reference import parse_config, rank_shards, random_gpt, scalai, write_safetensors  # noqa
 from views import check_bytes, expected, status, wait_ready  # noqa
 
@@ -128,11 +129,8 @@ def deleted_blobs_held(pid):
 
 
 def main():
-    if not os.path.exists("/dev/fuse"):
-        print("no /dev/fuse: skipped")
-        sys.exit(77)
-    seed = int(os.environ.get("SCALAI_TEST_SEED", random.randrange(1 << 30)))
-    print(f"seed {seed} (SCALAI_TEST_SEED={seed} repeats this run)")
+    require_fuse()
+    seed = test_seed()
     r = random.Random(seed)
     full = random_gpt(np.random.default_rng(seed), LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB,
                       gated=True)
@@ -144,9 +142,7 @@ def main():
         run("init", store, *LAYOUT)
         run("import", store, src, "--config", START, "--step", "7")
         os.makedirs(mnt)
-        server = subprocess.Popen([BIN, "mount", store, mnt, "--foreground"],
-                                  stdout=subprocess.PIPE, text=True)
-        assert server.stdout.readline().startswith("mounted")
+        server = serve(BIN, store, mnt)
         readers = HeldReaders()
         try:
             walk(r, mnt, full, readers)

@@ -7,7 +7,6 @@ the same save commits. Exits 77 where /dev/fuse is missing or a tmpfs
 cannot be mounted (not root)."""
 import errno
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -17,11 +16,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Mounts, require_fuse, test_seed  # noqa
 from reference import random_gpt, scalai, write_safetensors  # noqa
 from views import check_bytes, expected, status  # noqa
 
 BIN = sys.argv[1]
-MOUNTS = []  # FUSE mount, tmpfs: for the cleanup
+MOUNTS = Mounts()  # the FUSE mount and the tmpfs under the store
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, DIVISOR = 2, 256, 8, 4, 512, 1001, 8
 CONFIG = "tp=2,pp=1,dp=1"
 LAYOUT = ["--layout", "megatron-core-gpt", "--param", f"vocab_size={VOCAB}",
@@ -46,22 +46,15 @@ def save(mnt, step, full):
 
 
 def main():
-    if not os.path.exists("/dev/fuse"):
-        print("no /dev/fuse: skipped")
-        sys.exit(77)
-    seed = int(os.environ.get("SCALAI_TEST_SEED", random.randrange(1 << 30)))
-    print(f"seed {seed} (SCALAI_TEST_SEED={seed} repeats this run)")
+    require_fuse()
+    seed = test_seed()
     rng = np.random.default_rng(seed)
     full = [random_gpt(rng, LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, gated=True)
             for _ in range(3)]
     step_bytes = sum(x.nbytes for x in full[0].values())
     with tempfile.TemporaryDirectory() as tmp:
-        try:
+        with MOUNTS:
             body(tmp, full, step_bytes)
-        finally:
-            # Before the directory goes: a mounted tmpfs cannot be removed.
-            for m in MOUNTS:
-                subprocess.run(["umount", "-l", m], stderr=subprocess.DEVNULL)
     print("save_full_disk_test: ok")
 
 
@@ -76,7 +69,7 @@ def body(tmp, full, step_bytes):
                       stderr=subprocess.DEVNULL).returncode != 0:
         print("cannot mount a tmpfs (not root?): skipped")
         sys.exit(77)
-    MOUNTS.append(small)
+    MOUNTS.add(small)
     store = f"{small}/store"
     for rank, tensors in expected(full[0], CONFIG, LAYERS, DIVISOR).items():
         os.makedirs(f"{src}/rank-{rank:05d}")
@@ -84,7 +77,7 @@ def body(tmp, full, step_bytes):
     run("init", store, *LAYOUT)
     run("import", store, src, "--config", CONFIG, "--step", "1")
     run("mount", store, mnt)
-    MOUNTS.insert(0, mnt)
+    MOUNTS.add(mnt)
     assert save(mnt, 2, full[1]) == 0
     assert os.readlink(f"{mnt}/ckpt/latest") == "step-00000002"
     free = shutil.disk_usage(small).free
@@ -104,14 +97,14 @@ def body(tmp, full, step_bytes):
     assert os.readlink(f"{mnt}/ckpt/latest") == "step-00000003"
     check_bytes(mnt, full[2], CONFIG, LAYERS, DIVISOR)
     run("umount", mnt)
-    MOUNTS.remove(mnt)
+    MOUNTS.discard(mnt)
     run("fsck", store)
     run("mount", store, mnt)
-    MOUNTS.insert(0, mnt)
+    MOUNTS.add(mnt)
     assert sorted(os.listdir(f"{mnt}/ckpt")) == ["latest", "step-00000001", "step-00000002",
                                                 "step-00000003"]
     run("umount", mnt)
-    MOUNTS.remove(mnt)
+    MOUNTS.discard(mnt)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Mounts, require_fuse, serve, test_seed  # noqa
 from reference import random_gpt, scalai, write_safetensors  # noqa
 from views import check_bytes, expected  # noqa
 
 BIN = sys.argv[1]
-MNT = []  # the test's mountpoint, for the cleanup
+MOUNTS = Mounts()
 TRIALS = int(os.environ.get("SCALAI_SAVE_KILL_TRIALS", "20"))
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, DIVISOR = 4, 384, 8, 4, 768, 1001, 8
 CONFIG = "tp=2,pp=2,dp=1"
@@ -33,13 +34,6 @@ LAYOUT = ["--layout", "megatron-core-gpt", "--param", f"vocab_size={VOCAB}",
 
 def run(*args, expect=0):
     return scalai(BIN, *args, expect=expect)
-
-
-def mount(store, mnt):
-    server = subprocess.Popen([BIN, "mount", store, mnt, "--foreground"],
-                              stdout=subprocess.PIPE, text=True)
-    assert server.stdout.readline().startswith("mounted")
-    return server
 
 
 def save_rank(path, tensors, step):
@@ -65,16 +59,13 @@ def save(mnt, step, full):
 
 
 def main():
-    if not os.path.exists("/dev/fuse"):
-        print("no /dev/fuse: skipped")
-        sys.exit(77)
-    seed = int(os.environ.get("SCALAI_TEST_SEED", random.randrange(1 << 30)))
-    print(f"seed {seed} (SCALAI_TEST_SEED={seed} repeats this run)")
+    require_fuse()
+    seed = test_seed()
     r = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
         src, store, mnt = f"{tmp}/src", f"{tmp}/store", f"{tmp}/mnt"
         os.makedirs(mnt)
-        MNT.append(mnt)
+        MOUNTS.add(mnt)
         first = model(1)
         for rank, tensors in expected(first, CONFIG, LAYERS, DIVISOR).items():
             os.makedirs(f"{src}/rank-{rank:05d}")
@@ -83,7 +74,7 @@ def main():
         run("import", store, src, "--config", CONFIG, "--step", "1")
         models = {1: first}
         # How long a save takes here, to spread the kills over it.
-        server = mount(store, mnt)
+        server = serve(BIN, store, mnt)
         models[2] = model(2)
         t0 = time.time()
         for p in save(mnt, 2, models[2]):
@@ -97,7 +88,7 @@ def main():
         for trial in range(TRIALS):
             step = 3 + trial
             models[step] = model(step)
-            server = mount(store, mnt)
+            server = serve(BIN, store, mnt)
             procs = save(mnt, step, models[step])
             time.sleep(r.uniform(0, 1.3 * took))
             server.send_signal(signal.SIGKILL)
@@ -108,7 +99,7 @@ def main():
                     p.kill()
             subprocess.run(["fusermount3", "-u", "-z", mnt], check=True)
             run("fsck", store)
-            server = mount(store, mnt)
+            server = serve(BIN, store, mnt)
             steps = sorted(os.listdir(f"{mnt}/ckpt"))
             committed = f"step-{step:08d}" in steps
             outcomes["committed" if committed else "absent"] += 1
@@ -127,8 +118,5 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
+    with MOUNTS:
         main()
-    finally:
-        if MNT:
-            subprocess.run(["fusermount3", "-u", "-z", "-q", MNT[0]], stderr=subprocess.DEVNULL)

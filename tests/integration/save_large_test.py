@@ -9,8 +9,6 @@ read back equal to numpy slicing under another config (after materializing
 from the streamed blobs), and pass fsck, which hashes every blob from disk.
 Exits 77 only where /dev/fuse is missing."""
 import os
-import random
-import subprocess
 import sys
 import tempfile
 
@@ -18,11 +16,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Mounts, require_fuse, test_seed  # noqa
 from reference import random_gpt, scalai, write_safetensors  # noqa
 from views import check_bytes, expected, status  # noqa
 
 BIN = sys.argv[1]
-MNT = []
+MOUNTS = Mounts()
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, DIVISOR = 2, 512, 8, 8, 2048, 8000, 8
 SAVED = "tp=1,pp=1,dp=2"
 LAYOUT = ["--layout", "megatron-core-gpt", "--param", f"vocab_size={VOCAB}",
@@ -52,27 +51,22 @@ def write_in_pieces(path, data, rng, restart_at=None):
 
 
 def main():
-    if not os.path.exists("/dev/fuse"):
-        print("no /dev/fuse: skipped")
-        sys.exit(77)
-    seed = int(os.environ.get("SCALAI_TEST_SEED", random.randrange(1 << 30)))
-    print(f"seed {seed} (SCALAI_TEST_SEED={seed} repeats this run)")
+    require_fuse()
+    seed = test_seed()
     rng = np.random.default_rng(seed)
     full = random_gpt(rng, LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, gated=True)
     full2 = {k: (v * 3 - 1).astype(v.dtype) for k, v in full.items()}
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
         src, store, mnt = f"{tmp}/src", f"{tmp}/store", f"{tmp}/mnt"
         os.makedirs(mnt)
-        MNT.append(mnt)
+        MOUNTS.add(mnt)
         os.makedirs(f"{src}/rank-00000")
         write_safetensors(f"{src}/rank-00000/model.safetensors", expected(full, SAVED, LAYERS, DIVISOR)[0])
         scalai(BIN, "init", store, *LAYOUT)
         scalai(BIN, "import", store, src, "--config", SAVED, "--step", "100")
         scalai(BIN, "mount", store, mnt)
-        try:
+        with MOUNTS:  # unmounted before the directory goes
             save_and_read_back(store, mnt, full, full2, rng)
-        finally:
-            unmount()  # before the directory goes
     print("save_large_test: ok")
 
 
@@ -95,17 +89,9 @@ def save_and_read_back(store, mnt, full, full2, rng):
     check_bytes(mnt, full2, "tp=2,pp=2,dp=1", LAYERS, DIVISOR)
     print("read back under tp=2,pp=2,dp=1 after materializing")
     scalai(BIN, "umount", mnt)
-    MNT.clear()
+    MOUNTS.discard(mnt)
     scalai(BIN, "fsck", store)
 
 
-def unmount():
-    if MNT:
-        subprocess.run(["fusermount3", "-u", "-q", MNT.pop()], stderr=subprocess.DEVNULL)
-
-
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        unmount()
+    main()

@@ -14,9 +14,7 @@ import errno
 import json
 import multiprocessing
 import os
-import random
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -24,12 +22,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Mounts, require_fuse, test_seed  # noqa
 from dataset_files import write_jsonl  # noqa
 from reference import random_gpt, scalai, write_safetensors  # noqa
-from views import check_bytes, expected, status, wait_ready  # noqa
+from views import check_bytes, expected, status  # noqa
 
 BIN = sys.argv[1]
-MNT = []  # the test's mountpoint, for the cleanup
+MOUNTS = Mounts()
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, DIVISOR = 4, 64, 8, 4, 128, 203, 8
 SAVED = "tp=2,pp=2,dp=2"
 LAYOUT = ["--layout", "megatron-core-gpt", "--param", f"vocab_size={VOCAB}",
@@ -173,18 +172,15 @@ def latest(mnt):
 
 
 def main():
-    if not os.path.exists("/dev/fuse"):
-        print("no /dev/fuse: skipped")
-        sys.exit(77)
-    seed = int(os.environ.get("SCALAI_TEST_SEED", random.randrange(1 << 30)))
-    print(f"seed {seed} (SCALAI_TEST_SEED={seed} repeats this run)")
+    require_fuse()
+    seed = test_seed()
     rng = np.random.default_rng(seed)
     full = random_gpt(rng, LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, gated=True)
     full2 = {k: (v * 2 + 1).astype(v.dtype) for k, v in full.items()}
     with tempfile.TemporaryDirectory() as tmp:
         src, store, mnt = f"{tmp}/src", f"{tmp}/store", f"{tmp}/mnt"
         os.makedirs(mnt)
-        MNT.append(mnt)
+        MOUNTS.add(mnt)
         want = expected(full, SAVED, LAYERS, DIVISOR)
         for rank in (0, 1, 4, 5):
             os.makedirs(f"{src}/rank-{rank:05d}")
@@ -345,8 +341,5 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
+    with MOUNTS:
         main()
-    finally:
-        if MNT:
-            subprocess.run(["fusermount3", "-u", "-q", MNT[0]], stderr=subprocess.DEVNULL)

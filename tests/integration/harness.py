@@ -1,0 +1,61 @@
+"""How every integration test starts and ends: it is skipped (exit 77) where
+FUSE is missing, it prints the seed it draws so that a failure can be run
+again, and whatever it mounted is unmounted however it ends, since a failed
+check must not leave a mount behind and a mounted directory cannot be
+removed with its temporary parent."""
+import os
+import random
+import subprocess
+import sys
+
+
+def require_fuse():
+    if not os.path.exists("/dev/fuse"):
+        print("no /dev/fuse: skipped")
+        sys.exit(77)
+
+
+def test_seed():
+    """SCALAI_TEST_SEED if set, else a fresh seed; printed either way."""
+    seed = int(os.environ.get("SCALAI_TEST_SEED", random.randrange(1 << 30)))
+    print(f"seed {seed} (SCALAI_TEST_SEED={seed} repeats this run)")
+    return seed
+
+
+def serve(binary, store, mnt):
+    """`scalai mount --foreground` as a child, returned once it has mounted,
+    for tests that kill the server or watch its process."""
+    server = subprocess.Popen([binary, "mount", store, mnt, "--foreground"],
+                              stdout=subprocess.PIPE, text=True)
+    line = server.stdout.readline()
+    assert line.startswith("mounted"), line
+    return server
+
+
+class Mounts:
+    """The mountpoints a test holds (FUSE or other), detached lazily, newest
+    first, when its `with` block ends."""
+
+    def __init__(self):
+        self._points = []
+
+    def add(self, path):
+        self._points.append(path)
+        return path
+
+    def discard(self, path):
+        """`path` was unmounted by the test itself."""
+        if path in self._points:
+            self._points.remove(path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        while self._points:
+            # Root may detach any mount with umount; fusermount3 serves others.
+            path = self._points.pop()
+            if subprocess.run(["umount", "-l", path], stderr=subprocess.DEVNULL).returncode:
+                subprocess.run(["fusermount3", "-u", "-z", "-q", path],
+                               stderr=subprocess.DEVNULL)
+        return False
