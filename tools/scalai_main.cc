@@ -22,6 +22,21 @@ int main(int argc, char** argv) {
       scalai::AddUmountCommand(root),  scalai::AddReconfigureCommand(root),
       scalai::AddDatasetCommand(root),
   };
+  // CLI11 takes an unknown first word for a stray argument and says only that
+  // a subcommand is required; name the word and the commands instead.
+  if (argc > 1 && argv[1][0] != '-') {
+    std::string names;
+    bool known = false;
+    for (const scalai::Command& command : commands) {
+      known = known || command.app->get_name() == argv[1];
+      names += (names.empty() ? "" : ", ") + command.app->get_name();
+    }
+    if (!known) {
+      std::fprintf(stderr, "scalai: unknown command \"%s\" (commands: %s)\n",
+                   argv[1], names.c_str());
+      return 2;
+    }
+  }
   try {
     root.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

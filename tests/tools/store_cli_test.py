@@ -156,6 +156,11 @@ def corrupt_cases(tmp, full, store):
 def main():
     rng = np.random.default_rng(3)
     full = random_gpt(rng, LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, gated=True)
+    # Usage errors exit 2 and say what is wrong.
+    p = run("initt", "/tmp/nowhere", expect=2)
+    assert 'unknown command "initt"' in p.stderr and "init, import" in p.stderr, p.stderr
+    p = run("init", expect=2)
+    assert "STORE is required" in p.stderr, p.stderr
     with tempfile.TemporaryDirectory() as tmp:
         # Per-rank shards from the independent writer, uneven stages.
         src = f"{tmp}/ranks"
