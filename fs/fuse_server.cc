@@ -165,8 +165,7 @@ void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
     fuse_reply_attr(req, &st, 0);
     return;
   }
-  std::shared_ptr<const Tree> tree = s.TreeOf(ino);
-  const Node* n = tree ? tree->Get(ino) : nullptr;
+  auto [tree, n] = s.Find(ino);
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
     return;
@@ -176,8 +175,7 @@ void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
 }
 
 void OnReadlink(fuse_req_t req, fuse_ino_t ino) {
-  std::shared_ptr<const Tree> tree = Get(req).TreeOf(ino);
-  const Node* n = tree ? tree->Get(ino) : nullptr;
+  auto [tree, n] = Get(req).Find(ino);
   if (n == nullptr || n->kind != NodeKind::kSymlink) {
     fuse_reply_err(req, EINVAL);
     return;
@@ -244,8 +242,7 @@ void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     if (fuse_reply_open(req, fi) != 0) delete HandleOf(fi);
     return;
   }
-  std::shared_ptr<const Tree> tree = s.TreeOf(ino);
-  const Node* n = tree ? tree->Get(ino) : nullptr;
+  auto [tree, n] = s.Find(ino);
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
   } else if (n->kind != NodeKind::kDir) {
@@ -363,8 +360,7 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     OpenSaved(req, ino, fi, writing);
     return;
   }
-  std::shared_ptr<const Tree> tree = Get(req).TreeOf(ino);
-  const Node* n = tree ? tree->Get(ino) : nullptr;
+  auto [tree, n] = Get(req).Find(ino);
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
   } else if (n->kind == NodeKind::kDir) {
@@ -468,8 +464,7 @@ void OnSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
     fuse_reply_attr(req, &st, 0);
     return;
   }
-  std::shared_ptr<const Tree> tree = s.TreeOf(ino);
-  const Node* n = tree ? tree->Get(ino) : nullptr;
+  auto [tree, n] = s.Find(ino);
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
     return;

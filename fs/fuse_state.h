@@ -66,6 +66,17 @@ struct Server {
     auto it = trees.find(Tree::GenerationOf(ino));
     return it == trees.end() ? nullptr : it->second;
   }
+  // The node `ino` names, with the tree that keeps it alive; `node` is null
+  // when no live tree has it.
+  struct Found {
+    std::shared_ptr<const Tree> tree;
+    const Node* node = nullptr;
+  };
+  Found Find(uint64_t ino) {
+    Found f{TreeOf(ino)};
+    if (f.tree != nullptr) f.node = f.tree->Get(ino);
+    return f;
+  }
 
   // Lets go of an old tree once the kernel names none of its inodes: no
   // lookup is left, so no file of it is open either. Requires mu. The
