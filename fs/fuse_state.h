@@ -109,7 +109,10 @@ struct Server {
     j["saving"] = nlohmann::json::array();
     for (const auto& [step, missing] : saves->Pending())
       j["saving"].push_back({{"step", step}, {"waiting_for", missing}});
-    return j.dump() + "\n";
+    // An error may quote bytes that are not UTF-8 (a name a client chose):
+    // they are replaced rather than thrown over.
+    return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) +
+           "\n";
   }
 };
 

@@ -200,7 +200,8 @@ absl::Status Tree::AddExtraFiles(const Store& store, const StepRecord& step,
     if (added) {
       extras_.push_back(std::make_unique<ExtraBlob>());
       extras_.back()->path = store.BlobPath(f.blob);
-      extras_.back()->size = f.size;
+      extras_.back()->name = f.blob;
+      extras_.back()->record = store.Blob(f.blob);
     }
     Node& file = Add(parent, parts.back(), NodeKind::kFile, 0444);
     file.size = f.size;
@@ -532,19 +533,13 @@ absl::StatusOr<int64_t> Tree::Read(const Node& node, int64_t offset,
     return length;
   }
   if (node.extra >= 0) {
-    // Mapped at the first read: a job's many steps and ranks may name far
+    // Opened at the first read: a job's many steps and ranks may name far
     // more extra files than a process may map, and few are ever read.
     ExtraBlob& blob = *extras_[node.extra];
     std::call_once(blob.once, [&blob] {
-      blob.map = MappedFile::Open(blob.path);
-      if (blob.map.ok() && blob.map->size() != blob.size) {
-        blob.map = absl::DataLossError(
-            absl::StrCat(blob.path, " has ", blob.map->size(),
-                         " bytes, the catalog says ", blob.size));
-      }
+      blob.reader = BlobReader::Open(blob.path, blob.name, blob.record);
     });
-    if (!blob.map.ok()) return blob.map.status();
-    std::memcpy(out, blob.map->data() + offset, length);
+    RETURN_IF_ERROR(blob.reader->Read(out, length, offset));
     return length;
   }
   if (node.view < 0) {

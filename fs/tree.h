@@ -27,6 +27,7 @@
 #include "absl/strings/string_view.h"
 #include "nlohmann/json.hpp"
 #include "ptc/parallel_config.h"
+#include "transfer/blob_reader.h"
 #include "transfer/dataset_view.h"
 #include "transfer/step_view.h"
 #include "transfer/store.h"
@@ -194,12 +195,13 @@ class Tree {
     uint64_t ino_base = 0;               // see InoOf
   };
   std::vector<Dataset> datasets_;
-  // The blobs of extra/ files, each mapped once at its first read.
+  // The blobs of extra/ files, each opened once at its first read.
   struct ExtraBlob {
     std::string path;
-    int64_t size = 0;
+    std::string name;
+    absl::StatusOr<BlobRecord> record;
     std::once_flag once;
-    absl::StatusOr<MappedFile> map;  // set once, under `once`
+    std::shared_ptr<const BlobReader> reader;  // set once, under `once`
   };
   std::vector<std::unique_ptr<ExtraBlob>> extras_;
   // The nodes of each step's directory, by index: [first, end).

@@ -18,13 +18,16 @@ constexpr absl::string_view kMegatronCoreGpt = R"json({
   "name": "megatron-core-gpt",
   "layer": {"pattern": "decoder\\.layers\\.(\\d+)\\.", "numbering": "local"},
   "params": {"vocab_size": null, "make_vocab_size_divisible_by": 128,
-             "gated_linear_unit": false},
+             "gated_linear_unit": false,
+             "num_attention_heads": null, "num_query_groups": null},
   "rules": [
     {"match": "embedding\\.word_embeddings\\.weight$", "split": 0, "vocab": true, "stage": "first"},
     {"match": "output_layer\\.weight$", "split": 0, "vocab": true, "stage": "last"},
     {"match": "linear_fc1\\.(weight|bias)$", "split": 0, "blocks": 2, "when": "gated_linear_unit"},
-    {"match": "linear_(qkv|fc1)\\.(weight|bias)$", "split": 0},
-    {"match": "linear_(proj|fc2)\\.weight$", "split": 1},
+    {"match": "linear_qkv\\.(weight|bias)$", "split": 0, "units": "num_query_groups"},
+    {"match": "linear_fc1\\.(weight|bias)$", "split": 0},
+    {"match": "linear_proj\\.weight$", "split": 1, "units": "num_attention_heads"},
+    {"match": "linear_fc2\\.weight$", "split": 1},
     {"match": "final_layernorm\\.", "stage": "last"},
     {"match": ".", "split": null}
   ]
@@ -35,12 +38,16 @@ constexpr absl::string_view kMegatronCoreGpt = R"json({
 constexpr absl::string_view kHfLlama = R"json({
   "name": "hf-llama",
   "layer": {"pattern": "model\\.layers\\.(\\d+)\\.", "numbering": "global"},
-  "params": {"vocab_size": null, "make_vocab_size_divisible_by": 1},
+  "params": {"vocab_size": null, "make_vocab_size_divisible_by": 1,
+             "num_attention_heads": null, "num_query_groups": null},
   "rules": [
     {"match": "embed_tokens\\.weight$", "split": 0, "vocab": true, "stage": "first"},
     {"match": "lm_head\\.weight$", "split": 0, "vocab": true, "stage": "last"},
-    {"match": "(q_proj|k_proj|v_proj|gate_proj|up_proj)\\.(weight|bias)$", "split": 0},
-    {"match": "(o_proj|down_proj)\\.weight$", "split": 1},
+    {"match": "q_proj\\.(weight|bias)$", "split": 0, "units": "num_attention_heads"},
+    {"match": "(k_proj|v_proj)\\.(weight|bias)$", "split": 0, "units": "num_query_groups"},
+    {"match": "(gate_proj|up_proj)\\.(weight|bias)$", "split": 0},
+    {"match": "o_proj\\.weight$", "split": 1, "units": "num_attention_heads"},
+    {"match": "down_proj\\.weight$", "split": 1},
     {"match": "model\\.norm\\.", "stage": "last"},
     {"match": ".", "split": null}
   ]
@@ -92,7 +99,8 @@ absl::StatusOr<LayoutRule> ParseRule(absl::string_view source, size_t index,
   if (!j.is_object())
     return LayoutError(source, absl::StrCat(what, " is not an object"));
   RETURN_IF_ERROR(CheckKeys(
-      source, what, j, {"match", "split", "blocks", "vocab", "when", "stage"}));
+      source, what, j,
+      {"match", "split", "blocks", "vocab", "when", "stage", "units"}));
   LayoutRule rule;
   if (!j.contains("match") || !j["match"].is_string()) {
     return LayoutError(
@@ -136,6 +144,20 @@ absl::StatusOr<LayoutRule> ParseRule(absl::string_view source, size_t index,
                                "\", which is not a boolean in \"params\""));
     }
   }
+  if (j.contains("units")) {
+    if (!j["units"].is_string()) {
+      return LayoutError(
+          source, absl::StrCat(what, ": \"units\" must name a parameter"));
+    }
+    rule.units = j["units"].get<std::string>();
+    if (!params.contains(rule.units) ||
+        !(params[rule.units].is_null() ||
+          params[rule.units].is_number_integer())) {
+      return LayoutError(
+          source, absl::StrCat(what, ": \"units\" names \"", rule.units,
+                               "\", which is not an integer in \"params\""));
+    }
+  }
   if (j.contains("stage")) {
     if (!j["stage"].is_string()) {
       return LayoutError(source,
@@ -148,6 +170,13 @@ absl::StatusOr<LayoutRule> ParseRule(absl::string_view source, size_t index,
     return LayoutError(
         source, absl::StrCat(
                     what, ": \"vocab\" and \"blocks\" need a split dimension"));
+  }
+  if (!rule.units.empty() &&
+      (rule.split < 0 || rule.vocab || rule.blocks > 1)) {
+    return LayoutError(
+        source, absl::StrCat(what,
+                             ": \"units\" needs a split dimension without "
+                             "\"vocab\" or \"blocks\""));
   }
   if (rule.vocab && rule.blocks > 1) {
     return LayoutError(
@@ -164,6 +193,12 @@ absl::StatusOr<LayoutRule> ParseRule(absl::string_view source, size_t index,
 }
 
 }  // namespace
+
+std::string Layout::UnitName(absl::string_view param) {
+  if (param == "num_query_groups") return "query groups";
+  if (param == "num_attention_heads") return "attention heads";
+  return std::string(param);
+}
 
 std::vector<std::string> Layout::PresetNames() {
   return {"megatron-core-gpt", "hf-llama"};

@@ -31,6 +31,10 @@ struct LayoutRule {
   int blocks = 1;      // concatenated blocks along `split`, each split alone
   bool vocab = false;  // rows padded to a multiple of divisor * tp
   std::string when;    // boolean parameter that enables the rule; "" = always
+  // Integer parameter counting the units (attention heads, query groups)
+  // that the split dimension holds: each unit stays whole on one rank, so
+  // tp must divide their number. "" = no such unit.
+  std::string units;
   StagePolicy stage = StagePolicy::kFirst;
 };
 
@@ -66,6 +70,10 @@ class Layout {
   bool HasParam(absl::string_view key) const;
   // The parameter's value, or nullopt while it is null.
   std::optional<int64_t> IntParam(absl::string_view key) const;
+  // How errors name the units a parameter counts: "query groups" for
+  // num_query_groups, "attention heads" for num_attention_heads, else the
+  // parameter's own name.
+  static std::string UnitName(absl::string_view param);
   const nlohmann::json& params() const { return params_; }
 
   absl::StatusOr<TensorRule> Classify(absl::string_view tensor_name) const;

@@ -102,6 +102,14 @@ absl::Status ModelSpec::ApplyParams(Layout& layout) const {
   if (layout.HasParam("vocab_size")) {
     RETURN_IF_ERROR(layout.SetParam("vocab_size", absl::StrCat(vocab)));
   }
+  // The units that attention tensors' splits must keep whole.
+  if (layout.HasParam("num_attention_heads")) {
+    RETURN_IF_ERROR(
+        layout.SetParam("num_attention_heads", absl::StrCat(heads)));
+  }
+  if (layout.HasParam("num_query_groups")) {
+    RETURN_IF_ERROR(layout.SetParam("num_query_groups", absl::StrCat(groups)));
+  }
   return absl::OkStatus();
 }
 

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "ptc/excerpt.h"
 #include "ptc/status_macros.h"
 
 namespace scalai {
@@ -16,8 +17,8 @@ constexpr absl::string_view kExpected =
     "expected tp=N,pp=N,dp=N[,stages=A:B:...]";
 
 absl::Status ConfigError(absl::string_view text, absl::string_view why) {
-  return absl::InvalidArgumentError(
-      absl::StrCat("config \"", text, "\": ", why, " (", kExpected, ")"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      "config \"", Excerpt(text), "\": ", why, " (", kExpected, ")"));
 }
 
 // A positive decimal integer, nothing else (no sign, no spaces, no hex).
@@ -29,14 +30,16 @@ absl::StatusOr<int64_t> ParsePositive(absl::string_view text,
       std::from_chars(value.data(), value.data() + value.size(), out);
   if (value.empty() || ec != std::errc() ||
       end != value.data() + value.size()) {
-    return ConfigError(text, absl::StrCat(key, "=", value, " is not a number"));
+    return ConfigError(text, absl::StrCat(Excerpt(key), "=", Excerpt(value),
+                                          " is not a number"));
   }
   if (out <= 0) {
-    return ConfigError(text,
-                       absl::StrCat(key, "=", value, " must be at least 1"));
+    return ConfigError(text, absl::StrCat(Excerpt(key), "=", Excerpt(value),
+                                          " must be at least 1"));
   }
   if (out > ParallelConfig::kMaxWorldSize) {
-    return ConfigError(text, absl::StrCat(key, "=", value, " is too large"));
+    return ConfigError(
+        text, absl::StrCat(Excerpt(key), "=", Excerpt(value), " is too large"));
   }
   return out;
 }
@@ -55,7 +58,8 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
         absl::StrSplit(item, absl::MaxSplits('=', 1));
     auto [key, value] = kv;
     if (item.find('=') == absl::string_view::npos) {
-      return ConfigError(text, absl::StrCat("\"", item, "\" is not key=value"));
+      return ConfigError(
+          text, absl::StrCat("\"", Excerpt(item), "\" is not key=value"));
     }
     if (key == "stages") {
       if (have_stages) return ConfigError(text, "stages given twice");
@@ -71,7 +75,8 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
       if (key == kNames[i]) index = i;
     }
     if (index < 0) {
-      return ConfigError(text, absl::StrCat("unknown key \"", key, "\""));
+      return ConfigError(text,
+                         absl::StrCat("unknown key \"", Excerpt(key), "\""));
     }
     if (degrees[index] != 0) {
       return ConfigError(text, absl::StrCat(key, " given twice"));

@@ -23,10 +23,25 @@ struct SplitResult {
 
 absl::StatusOr<SplitResult> SplitTensor(const TensorInfo& t,
                                         const LayoutRule& rule,
-                                        int64_t vocab_divisor, int tp,
+                                        int64_t vocab_divisor,
+                                        std::optional<int64_t> units, int tp,
                                         int tp_rank) {
   const int dim = rule.split;
   const int64_t extent = t.shape[dim];
+  if (units) {
+    // Megatron-Core's own rule (num_query_groups % tp == 0): a rank that
+    // held part of a head or a query group could not compute attention.
+    const std::string name = Layout::UnitName(rule.units);
+    if (*units < 1 || extent % *units != 0) {
+      return TensorError(
+          t, absl::StrCat("dim ", dim, " (size ", extent, ") does not hold ",
+                          *units, " ", name, " (", rule.units, ")"));
+    }
+    if (*units % tp != 0) {
+      return TensorError(t, absl::StrCat(*units, " ", name,
+                                         " cannot be split across tp=", tp));
+    }
+  }
   SplitResult out;
   auto piece = [&](int64_t local_begin, int64_t global_begin, int64_t len,
                    bool zero) {
@@ -165,8 +180,11 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
         shard.pieces.push_back({Box::Full(t.shape), Box::Full(t.shape), false});
         shard.bytes = full_bytes;
       } else {
-        ASSIGN_OR_RETURN(SplitResult split, SplitTensor(t, rule, vocab_divisor,
-                                                        config.tp(), tp_rank));
+        const std::optional<int64_t> units =
+            rule.units.empty() ? std::nullopt : layout.IntParam(rule.units);
+        ASSIGN_OR_RETURN(
+            SplitResult split,
+            SplitTensor(t, rule, vocab_divisor, units, config.tp(), tp_rank));
         shard.local_shape[rule.split] = split.local_extent;
         shard.pieces = std::move(split.pieces);
         ASSIGN_OR_RETURN(shard.bytes, TensorBytes(shard.local_shape, t.dtype));

@@ -5,15 +5,18 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <filesystem>
 #include <map>
 #include <set>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
 #include "ptc/reshard_plan.h"
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
+#include "transfer/blob_reader.h"
 #include "transfer/box_copy.h"
 #include "transfer/step_bytes.h"
 #include "transfer/write_behind.h"
@@ -49,6 +52,7 @@ class OutputStream {
   // (as cp does), or from the mapping where it cannot.
   absl::Status CopyStored(const StepBytes::Tensor& t, int64_t offset,
                           int64_t length) {
+    RETURN_IF_ERROR(t.Verify(offset, length));
     loff_t in = t.offset + offset;
     int64_t done = 0;
     while (done < length) {
@@ -140,9 +144,10 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
           continue;
         }
         const TensorShard& s = plan.from().shards(op.src.group)[op.src.shard];
-        CopyBox(src.tensor(op.src).data, s.local_shape, op.src_origin,
-                buffer.data(), dst.local_shape, op.dst.origin(), op.dst.shape(),
-                elem);
+        const StepBytes::Tensor& t = src.tensor(op.src);
+        RETURN_IF_ERROR(t.Verify(0, s.bytes));
+        CopyBox(t.data, s.local_shape, op.src_origin, buffer.data(),
+                dst.local_shape, op.dst.origin(), op.dst.shape(), elem);
       }
       RETURN_IF_ERROR(stream.Write(buffer.data(), dst.bytes));
     }
@@ -183,10 +188,11 @@ absl::Status ExportExtraFiles(const Store& store, const StepRecord& step,
       if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
         return ErrnoError(errno, "create", dir);
     }
-    ASSIGN_OR_RETURN(MappedFile blob, MappedFile::Open(store.BlobPath(f.blob)));
+    std::shared_ptr<const BlobReader> blob = BlobReader::Open(store, f.blob);
+    RETURN_IF_ERROR(blob->Verify(0, blob->size()));
     ASSIGN_OR_RETURN(UniqueFd fd,
                      OpenFile(path, O_WRONLY | O_CREAT | O_EXCL, 0644));
-    RETURN_IF_ERROR(WriteAll(fd.get(), blob.data(), blob.size(), path));
+    RETURN_IF_ERROR(WriteAll(fd.get(), blob->data(), blob->size(), path));
   }
   return absl::OkStatus();
 }
@@ -243,6 +249,13 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
   ASSIGN_OR_RETURN(StepBytes src, StepBytes::Load(store, step, *from));
 
   RETURN_IF_ERROR(MakeOutDir(o.out));
+  // The directory is new (or was empty): a failed export (a damaged blob, a
+  // full disk) takes it away again rather than leave half a checkpoint.
+  bool done = false;
+  absl::Cleanup remove_partial = [&] {
+    std::error_code ignored;
+    if (!done) std::filesystem::remove_all(o.out, ignored);
+  };
   std::set<std::string> dirs = {o.out};
   for (const OutputFile& f : files) {
     size_t slash = f.name.find('/');
@@ -281,6 +294,7 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
     RETURN_IF_ERROR(WriteAll(fd.get(), text.data(), text.size(), path));
   }
   RETURN_IF_ERROR(SyncFilesystem(o.out));
+  done = true;
   return ExportResult{step.step, static_cast<int>(files.size()),
                       progress.done()};
 }

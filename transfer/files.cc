@@ -50,10 +50,15 @@ absl::StatusOr<MappedFile> MappedFile::Open(const std::string& path) {
   }
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return ErrnoError(errno, "stat", path);
+  return Map(fd.get(), st.st_size, path);
+}
+
+absl::StatusOr<MappedFile> MappedFile::Map(int fd, int64_t size,
+                                           absl::string_view path) {
   MappedFile m;
-  m.size_ = st.st_size;
+  m.size_ = size;
   if (m.size_ == 0) return m;
-  void* p = mmap(nullptr, m.size_, PROT_READ, MAP_SHARED, fd.get(), 0);
+  void* p = mmap(nullptr, m.size_, PROT_READ, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) return ErrnoError(errno, "mmap", path);
   m.data_ = static_cast<std::byte*>(p);
   return m;

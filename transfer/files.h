@@ -45,6 +45,10 @@ absl::StatusOr<UniqueFd> OpenFile(const std::string& path, int flags,
 class MappedFile {
  public:
   static absl::StatusOr<MappedFile> Open(const std::string& path);
+  // The first `size` bytes of an open file, whatever its size now: pages
+  // past its end must not be touched (SIGBUS).
+  static absl::StatusOr<MappedFile> Map(int fd, int64_t size,
+                                        absl::string_view path);
   MappedFile() = default;
   MappedFile(MappedFile&& other) noexcept;
   MappedFile& operator=(MappedFile&& other) noexcept;

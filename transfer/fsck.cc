@@ -15,20 +15,48 @@
 #include "absl/strings/str_format.h"
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
+#include "transfer/blob_checksum.h"
 #include "xxhash.h"
 
 namespace scalai {
 
-absl::StatusOr<uint64_t> HashFile(const std::string& path, Progress* progress) {
-  XXH3_state_t* state = XXH3_createState();
-  absl::Cleanup free_state = [state] { XXH3_freeState(state); };
-  XXH3_64bits_reset(state);
+absl::StatusOr<std::optional<std::string>> CheckBlob(const std::string& path,
+                                                     const BlobRecord& record,
+                                                     Progress* progress) {
+  XXH3_state_t* whole = XXH3_createState();
+  absl::Cleanup free_whole = [whole] { XXH3_freeState(whole); };
+  XXH3_64bits_reset(whole);
+  ChunkHasher chunks;
   RETURN_IF_ERROR(ReadChunks(path, [&](const char* data, int64_t n) {
-    XXH3_64bits_update(state, data, n);
+    if (record.whole_xxh3) {
+      XXH3_64bits_update(whole, data, n);
+    } else {
+      chunks.Update(data, n);
+    }
     if (progress != nullptr) progress->Add(n);
     return absl::OkStatus();
   }));
-  return XXH3_64bits_digest(state);
+  if (record.whole_xxh3) {
+    const uint64_t got = XXH3_64bits_digest(whole);
+    if (got == *record.whole_xxh3) return std::nullopt;
+    return absl::StrFormat("checksum %016x, the catalog says %016x", got,
+                           *record.whole_xxh3);
+  }
+  const std::vector<uint64_t> got = chunks.Finish();
+  for (size_t c = 0; c < got.size() && c < record.chunks.size(); ++c) {
+    if (got[c] != record.chunks[c]) {
+      const int64_t begin = static_cast<int64_t>(c) * kBlobChunkBytes;
+      return absl::StrFormat(
+          "chunk %d (bytes %d-%d): checksum %016x, the catalog says %016x", c,
+          begin, std::min(begin + kBlobChunkBytes, record.size), got[c],
+          record.chunks[c]);
+    }
+  }
+  if (got.size() != record.chunks.size()) {
+    return absl::StrCat(got.size(), " chunks, the catalog says ",
+                        record.chunks.size());
+  }
+  return std::nullopt;
 }
 
 absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
@@ -60,13 +88,12 @@ absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
                                record.size));
           return absl::OkStatus();
         }
-        auto hash = HashFile(store.BlobPath(name), &progress);
-        if (!hash.ok()) {
-          problem(absl::StrCat("blob ", name, ": ", hash.status().message()));
-        } else if (*hash != record.xxh3) {
-          problem(absl::StrFormat(
-              "blob %s (step %d): checksum %016x, the catalog says %016x", name,
-              record.step, *hash, record.xxh3));
+        auto wrong = CheckBlob(store.BlobPath(name), record, &progress);
+        if (!wrong.ok()) {
+          problem(absl::StrCat("blob ", name, ": ", wrong.status().message()));
+        } else if (*wrong) {
+          problem(absl::StrCat("blob ", name, " (step ", record.step,
+                               "): ", **wrong));
         }
         return absl::OkStatus();
       }));

@@ -1,4 +1,4 @@
-// Verifies a store: every blob against its recorded size and XXH3 checksum,
+// Verifies a store: every blob against its recorded size and chunk sums,
 // every catalog record against the blobs and the layout. Returns the problems
 // found, each naming the blob or step at fault; empty means healthy.
 //
@@ -7,6 +7,7 @@
 #ifndef SCALAI_TRANSFER_FSCK_H_
 #define SCALAI_TRANSFER_FSCK_H_
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,8 +20,11 @@ namespace scalai {
 absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
                                                     ProgressFn progress);
 
-// XXH3 of a whole file, read sequentially.
-absl::StatusOr<uint64_t> HashFile(const std::string& path, Progress* progress);
+// Reads the blob at `path` once and says what is wrong with it against
+// `record` (its first chunk that does not match), or nothing.
+absl::StatusOr<std::optional<std::string>> CheckBlob(const std::string& path,
+                                                     const BlobRecord& record,
+                                                     Progress* progress);
 
 }  // namespace scalai
 

@@ -20,9 +20,9 @@
 #include "nlohmann/json.hpp"
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
+#include "transfer/blob_checksum.h"
 #include "transfer/shard_check.h"
 #include "transfer/write_behind.h"
-#include "xxhash.h"
 
 namespace scalai {
 namespace {
@@ -436,19 +436,17 @@ absl::StatusOr<BlobRecord> CopyFileToBlob(const std::string& path,
                                           Progress* progress) {
   ASSIGN_OR_RETURN(UniqueFd out,
                    OpenFile(blob_path, O_WRONLY | O_CREAT | O_EXCL, 0600));
-  XXH3_state_t* state = XXH3_createState();
-  absl::Cleanup free_state = [state] { XXH3_freeState(state); };
-  XXH3_64bits_reset(state);
+  ChunkHasher hasher;
   int64_t size = 0;
   WriteBehind behind;
   RETURN_IF_ERROR(ReadChunks(path, [&](const char* data, int64_t n) {
-    XXH3_64bits_update(state, data, n);
+    hasher.Update(data, n);
     RETURN_IF_ERROR(WriteAll(out.get(), data, n, blob_path));
     size += n;
     if (progress != nullptr) progress->Add(n);
     return WriteBehind::Apply(out.get(), behind.Advance(size), blob_path);
   }));
-  return BlobRecord{size, XXH3_64bits_digest(state), 0};
+  return BlobRecord{size, hasher.Finish(), 0};
 }
 
 absl::StatusOr<BlobRecord> CopyToBlob(const SourceFile& src,

@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <cerrno>
 #include <cstring>
@@ -14,6 +13,7 @@
 #include "ptc/reshard_plan.h"
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
+#include "transfer/blob_checksum.h"
 #include "transfer/step_view.h"
 #include "transfer/write_behind.h"
 
@@ -46,7 +46,7 @@ absl::Status CheckCancel(const std::atomic<bool>* cancel) {
   return absl::OkStatus();
 }
 
-// Appends to a new blob, hashing in blob order. Short pieces (rows of a
+// Appends to a new blob, hashing its chunks in blob order. Short pieces (rows of a
 // split along dim 1, zero padding) are gathered in a window and written
 // together; long ones go from the source mapping to the file, with no copy
 // in between.
@@ -55,11 +55,7 @@ class BlobWriter {
   BlobWriter(UniqueFd out, std::string path)
       : out_(std::move(out)),
         path_(std::move(path)),
-        window_(new char[kChunkBytes]),
-        state_(XXH3_createState()) {
-    XXH3_64bits_reset(state_);
-  }
-  ~BlobWriter() { XXH3_freeState(state_); }
+        window_(new char[kChunkBytes]) {}
 
   absl::Status Append(const char* data, int64_t n) {
     if (n >= kChunkBytes) {
@@ -113,11 +109,11 @@ class BlobWriter {
     return absl::OkStatus();
   }
 
-  uint64_t digest() const { return XXH3_64bits_digest(state_); }
+  std::vector<uint64_t> chunk_sums() const { return hasher_.Finish(); }
 
  private:
   absl::Status HashAndWrite(const char* data, int64_t n) {
-    XXH3_64bits_update(state_, data, n);
+    hasher_.Update(data, n);
     RETURN_IF_ERROR(WriteAll(out_.get(), data, n, path_));
     written_ += n;
     return WriteBehind::Apply(out_.get(), behind_.Advance(written_), path_);
@@ -129,7 +125,7 @@ class BlobWriter {
   int64_t used_ = 0;
   int64_t written_ = 0;
   WriteBehind behind_{WriteBehind::Pages::kKeep};
-  XXH3_state_t* state_;
+  ChunkHasher hasher_;
 };
 
 absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
@@ -148,7 +144,10 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
     int64_t since_check = 0;
     for (const Segment& seg : segments) {
       if (seg.src.valid()) {
+        // A corrupt source is never copied into a blob with a fresh
+        // checksum: the materialization fails naming it.
         const StepBytes::Tensor& t = view.stored().tensor(seg.src);
+        RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length));
         if (seg.length >= kChunkBytes) {
           RETURN_IF_ERROR(writer.AppendFromFile(t.fd, t.offset + seg.src_offset,
                                                 seg.length));
@@ -170,7 +169,7 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
     progress.Add(since_check);
   }
   RETURN_IF_ERROR(writer.Flush());
-  return BlobRecord{job.bytes, writer.digest(), step};
+  return BlobRecord{job.bytes, writer.chunk_sums(), step};
 }
 
 // Adds `name` to the shard record's blob list once; returns its index.

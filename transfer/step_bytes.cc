@@ -1,7 +1,5 @@
 #include "transfer/step_bytes.h"
 
-#include <fcntl.h>
-
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
 
@@ -24,20 +22,15 @@ absl::StatusOr<StepBytes> StepBytes::Load(const Store& store,
       const std::string& name = record.blobs[record.tensors[k].blob];
       auto it = out.blobs_.find(name);
       if (it == out.blobs_.end()) {
-        Blob blob;
-        ASSIGN_OR_RETURN(blob.map, MappedFile::Open(store.BlobPath(name)));
-        ASSIGN_OR_RETURN(blob.fd, OpenFile(store.BlobPath(name), O_RDONLY));
-        it = out.blobs_.emplace(name, std::move(blob)).first;
+        it = out.blobs_.emplace(name, BlobReader::Open(store, name)).first;
       }
+      const BlobReader& blob = *it->second;
+      // A location past the blob's end fails each read (Verify), like any
+      // other damage, rather than the whole step.
       const int64_t offset = record.tensors[k].offset;
-      if (offset + placement.shards(g)[k].bytes > it->second.map.size()) {
-        return absl::DataLossError(
-            absl::StrCat("blob ", name, " of step ", step.step,
-                         " is shorter than its record says (run "
-                         "scalai fsck)"));
-      }
       tensors.push_back(
-          {it->second.map.data() + offset, it->second.fd.get(), offset});
+          {&blob, blob.data() != nullptr ? blob.data() + offset : nullptr,
+           blob.fd(), offset});
     }
     out.tensors_.push_back(std::move(tensors));
   }

@@ -1,22 +1,26 @@
-// StepBytes holds a stored step's bytes open for reading: every blob mapped
-// and open, and where each stored shard's tensor lies in them. Exports and the
-// mount's views read through it.
+// StepBytes holds a stored step's bytes open for reading: every blob as a
+// BlobReader, and where each stored shard's tensor lies in them. Exports, the
+// materializer and the mount's views read through it, and verify each range
+// before touching it. A damaged blob does not stop the load: only the reads
+// that need it fail.
 //
 //   ASSIGN_OR_RETURN(StepBytes bytes, StepBytes::Load(store, step, *p));
 //   const StepBytes::Tensor& t = bytes.tensor({group, shard});
+//   RETURN_IF_ERROR(t.Verify(offset, n));  // then t.data + offset
 #ifndef SCALAI_TRANSFER_STEP_BYTES_H_
 #define SCALAI_TRANSFER_STEP_BYTES_H_
 
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "ptc/placement.h"
 #include "ptc/reshard_plan.h"
-#include "transfer/files.h"
+#include "transfer/blob_reader.h"
 #include "transfer/store.h"
 
 namespace scalai {
@@ -29,22 +33,24 @@ class StepBytes {
                                         const Placement& placement);
 
   // A stored tensor: mapped, and as a descriptor and offset for copies that
-  // stay inside the kernel.
+  // stay inside the kernel. Bytes may be used only after Verify accepted
+  // them.
   struct Tensor {
+    const BlobReader* blob;
     const std::byte* data;
     int fd;
-    int64_t offset;
+    int64_t offset;  // in the blob
+    // Bytes [offset, offset + length) of the tensor are the ones recorded.
+    absl::Status Verify(int64_t at, int64_t length) const {
+      return blob->Verify(offset + at, length);
+    }
   };
   const Tensor& tensor(ShardRef ref) const {
     return tensors_[ref.group][ref.shard];
   }
 
  private:
-  struct Blob {
-    MappedFile map;
-    UniqueFd fd;
-  };
-  std::map<std::string, Blob> blobs_;
+  std::map<std::string, std::shared_ptr<const BlobReader>> blobs_;
   std::vector<std::vector<Tensor>> tensors_;  // [group][shard]
 };
 

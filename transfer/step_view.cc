@@ -24,7 +24,9 @@ absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
                                   int64_t length, char* out) const {
   ShardRef same = plan_.in_place_source(group, shard);
   if (same.valid()) {
-    std::memcpy(out, bytes_.tensor(same).data + offset, length);
+    const StepBytes::Tensor& t = bytes_.tensor(same);
+    RETURN_IF_ERROR(t.Verify(offset, length));
+    std::memcpy(out, t.data + offset, length);
     return absl::OkStatus();
   }
   ASSIGN_OR_RETURN(std::vector<Segment> segments,
@@ -32,8 +34,9 @@ absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
   for (const Segment& seg : segments) {
     char* dst = out + (seg.dst_offset - offset);
     if (seg.src.valid()) {
-      std::memcpy(dst, bytes_.tensor(seg.src).data + seg.src_offset,
-                  seg.length);
+      const StepBytes::Tensor& t = bytes_.tensor(seg.src);
+      RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length));
+      std::memcpy(dst, t.data + seg.src_offset, seg.length);
     } else {
       std::memset(dst, 0, seg.length);
     }

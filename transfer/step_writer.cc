@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -18,8 +17,6 @@
 namespace scalai {
 namespace {
 
-constexpr int64_t kChunk = 1 << 20;
-
 std::string Label(int rank) {
   return absl::StrFormat("rank-%05d/model.safetensors", rank);
 }
@@ -30,15 +27,11 @@ absl::StatusOr<std::shared_ptr<ShardFile>> ShardFile::Scratch(
     const std::string& dir) {
   std::shared_ptr<ShardFile> file(new ShardFile());
   file->path_ = dir + "/(scratch)";
-  file->hash_ = XXH3_createState();
-  XXH3_64bits_reset(file->hash_);
   ASSIGN_OR_RETURN(file->fd_, OpenFile(dir, O_RDWR | O_TMPFILE, 0600));
   return file;
 }
 
-ShardFile::~ShardFile() {
-  if (hash_ != nullptr) XXH3_freeState(hash_);
-}
+ShardFile::~ShardFile() = default;
 
 absl::Status ShardFile::Write(const char* data, int64_t size, int64_t offset) {
   int64_t done = 0;
@@ -55,12 +48,15 @@ absl::Status ShardFile::Write(const char* data, int64_t size, int64_t offset) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     size_ = std::max(size_, offset + size);
-    if (in_order_ && offset == hashed_) {
-      XXH3_64bits_update(hash_, data, size);
-      hashed_ += size;
-      due = behind_.Advance(hashed_);
-    } else if (offset + size > hashed_) {
-      in_order_ = false;  // read back at Digest
+    const bool in_order = offset == stream_.bytes();
+    for (int64_t c = offset / kBlobChunkBytes;
+         size > 0 && c <= (offset + size - 1) / kBlobChunkBytes; ++c) {
+      read_back_.erase(c);
+      if (!in_order) rewritten_.insert(c);
+    }
+    if (in_order) {
+      stream_.Update(data, size);
+      due = behind_.Advance(stream_.bytes());
     }
   }
   absl::Status streamed = WriteBehind::Apply(fd_.get(), due, path_);
@@ -75,9 +71,9 @@ absl::Status ShardFile::Truncate() {
   if (ftruncate(fd_.get(), 0) != 0) return ErrnoError(errno, "truncate", path_);
   std::lock_guard<std::mutex> lock(mu_);
   size_ = 0;
-  hashed_ = 0;
-  in_order_ = true;
-  XXH3_64bits_reset(hash_);
+  stream_.Reset();
+  rewritten_.clear();
+  read_back_.clear();
   behind_.Reset();
   write_error_ = absl::OkStatus();  // the bytes it was about are gone
   return absl::OkStatus();
@@ -118,20 +114,33 @@ int64_t ShardFile::size() const {
   return size_;
 }
 
-absl::StatusOr<uint64_t> ShardFile::Digest() {
+absl::StatusOr<std::vector<uint64_t>> ShardFile::ChunkSums() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (in_order_ && hashed_ == size_) return XXH3_64bits_digest(hash_);
-  XXH3_64bits_reset(hash_);
-  std::vector<char> buf(kChunk);
-  for (int64_t at = 0; at < size_; at += kChunk) {
-    const int64_t n = std::min(kChunk, size_ - at);
-    ASSIGN_OR_RETURN(int64_t got, Read(buf.data(), n, at));
-    if (got != n) return absl::DataLossError(absl::StrCat(path_, " shrank"));
-    XXH3_64bits_update(hash_, buf.data(), n);
+  std::vector<uint64_t> streamed = stream_.Finish();
+  std::vector<uint64_t> sums(ChunkCount(size_));
+  std::vector<char> buf;
+  for (int64_t c = 0; c < static_cast<int64_t>(sums.size()); ++c) {
+    const int64_t begin = c * kBlobChunkBytes;
+    const int64_t bytes = std::min(kBlobChunkBytes, size_ - begin);
+    // The stream's sum holds when it hashed exactly this chunk's bytes and
+    // nothing rewrote them since.
+    if (begin + bytes <= stream_.bytes() &&
+        (bytes == kBlobChunkBytes || begin + bytes == stream_.bytes()) &&
+        !rewritten_.contains(c)) {
+      sums[c] = streamed[c];
+      continue;
+    }
+    if (auto it = read_back_.find(c); it != read_back_.end()) {
+      sums[c] = it->second;
+      continue;
+    }
+    buf.resize(kBlobChunkBytes);
+    ASSIGN_OR_RETURN(int64_t got, Read(buf.data(), bytes, begin));
+    if (got != bytes)
+      return absl::DataLossError(absl::StrCat(path_, " shrank"));
+    sums[c] = read_back_[c] = HashChunk(buf.data(), bytes);
   }
-  hashed_ = size_;
-  in_order_ = true;
-  return XXH3_64bits_digest(hash_);
+  return sums;
 }
 
 StepWriter::StepWriter(Store& store, int64_t step,
@@ -181,8 +190,6 @@ absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::NewFile(
   std::shared_ptr<ShardFile> file(new ShardFile());
   file->blob_ = Store::NewBlobName();
   file->path_ = store_.BlobPath(file->blob_);
-  file->hash_ = XXH3_createState();
-  XXH3_64bits_reset(file->hash_);
   {
     // Recorded first, so that the file is removed whatever happens next.
     std::lock_guard<std::mutex> lock(mu_);
@@ -275,7 +282,7 @@ absl::Status StepWriter::Close(int rank,
           " (a data-parallel copy must be identical)"));
     }
   }
-  RETURN_IF_ERROR(file->Digest().status());
+  RETURN_IF_ERROR(file->ChunkSums().status());
   // A refused or replaced file keeps its blob until the step commits or
   // goes: another handle may still be writing to it.
   std::lock_guard<std::mutex> lock(mu_);
@@ -295,7 +302,7 @@ void StepWriter::Forget(int rank) {
 
 absl::Status StepWriter::CloseExtra(int rank, const std::string& path,
                                     const std::shared_ptr<ShardFile>& file) {
-  RETURN_IF_ERROR(file->Digest().status());
+  RETURN_IF_ERROR(file->ChunkSums().status());
   std::lock_guard<std::mutex> lock(mu_);
   if (committed_) return LateExtra(step_, rank, path);
   extra_[{rank, path}] = file;
@@ -367,18 +374,18 @@ absl::Status StepWriter::Commit() {
     for (int64_t at : file.checked_.offsets) shard.tensors.push_back({0, at});
     batch.Put(Table::kShards, ShardKey(step_, group),
               Store::EncodeShard(shard));
-    ASSIGN_OR_RETURN(uint64_t digest, file.Digest());
+    ASSIGN_OR_RETURN(std::vector<uint64_t> sums, file.ChunkSums());
     batch.Put(Table::kBlobs, file.blob(),
-              Store::EncodeBlob({file.size(), digest, step_}));
+              Store::EncodeBlob({file.size(), std::move(sums), step_}));
     record.bytes += file.checked_.data_bytes;
     used.insert(file.blob());
     if (r == 0) record.consumed_samples = file.checked_.consumed_samples;
   }
   for (const auto& [key, file] : extra_) {
     RETURN_IF_ERROR(file->Sync());
-    ASSIGN_OR_RETURN(uint64_t digest, file->Digest());
+    ASSIGN_OR_RETURN(std::vector<uint64_t> sums, file->ChunkSums());
     batch.Put(Table::kBlobs, file->blob(),
-              Store::EncodeBlob({file->size(), digest, step_}));
+              Store::EncodeBlob({file->size(), std::move(sums), step_}));
     record.extra[key.first].push_back({key.second, file->blob(), file->size()});
     used.insert(file->blob());
   }

@@ -29,17 +29,18 @@
 #include "absl/status/statusor.h"
 #include "ptc/parallel_config.h"
 #include "ptc/placement.h"
+#include "transfer/blob_checksum.h"
 #include "transfer/files.h"
 #include "transfer/store.h"
 #include "transfer/write_behind.h"
 
-struct XXH3_state_s;
-
 namespace scalai {
 
 // One file being saved, backed by its own new blob. Writes may come from
-// several threads; the checksum is taken as the bytes arrive when they
-// arrive in order (one writer, as usual), else by reading the file back.
+// several threads. Chunk sums are taken as the bytes arrive while they
+// arrive in order (one writer, as usual); a chunk that a write touched out
+// of order (a header written last at offset 0, pieces in any order) is read
+// back and hashed at close, and only that chunk.
 // Bytes that arrive in order are streamed to disk as they come (WriteBehind),
 // so a save is mostly on disk when its writer calls fsync.
 class ShardFile {
@@ -63,8 +64,8 @@ class ShardFile {
   RangeReader Reader() const;
   int64_t size() const;
   const std::string& blob() const { return blob_; }
-  // XXH3 of the whole file as it is now.
-  absl::StatusOr<uint64_t> Digest();
+  // The chunk sums of the file as it is now (blob_checksum.h).
+  absl::StatusOr<std::vector<uint64_t>> ChunkSums();
 
  private:
   friend class StepWriter;
@@ -84,10 +85,13 @@ class ShardFile {
   std::string path_;
   UniqueFd fd_;
   mutable std::mutex mu_;
-  int64_t size_ = 0;              // guarded by mu_
-  XXH3_state_s* hash_ = nullptr;  // guarded by mu_
-  int64_t hashed_ = 0;            // bytes fed to hash_; guarded by mu_
-  bool in_order_ = true;          // guarded by mu_
+  int64_t size_ = 0;  // guarded by mu_
+  // The in-order prefix [0, stream_.bytes()) as written; guarded by mu_.
+  ChunkHasher stream_;
+  // Chunks a write touched out of order: stream_'s sums of them are stale.
+  std::set<int64_t> rewritten_;  // guarded by mu_
+  // Sums of chunks outside the stream, read back since last written.
+  std::map<int64_t, uint64_t> read_back_;  // guarded by mu_
   // Streams the in-order prefix to disk as it grows; guarded by mu_.
   WriteBehind behind_;
   // A failed writeback seen while streaming, which fsync can no longer

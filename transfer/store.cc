@@ -9,10 +9,14 @@
 #include <random>
 #include <set>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
 #include "ptc/status_macros.h"
+#include "transfer/blob_checksum.h"
+#include "xxhash.h"
 
 namespace scalai {
 namespace {
@@ -95,7 +99,10 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir,
       Catalog::Open(dir + "/catalog", writer ? Catalog::Mode::kReadWrite
                                              : Catalog::Mode::kReadOnly));
   RETURN_IF_ERROR(store->Load());
-  if (writer) RETURN_IF_ERROR(store->RemoveOrphans());
+  if (writer) {
+    RETURN_IF_ERROR(store->RemoveOrphans());
+    RETURN_IF_ERROR(store->AddChunkSums());
+  }
   return store;
 }
 
@@ -254,21 +261,88 @@ absl::StatusOr<ShardRecord> Store::Shard(int64_t step, int group) const {
   return shard;
 }
 
+namespace {
+
+absl::StatusOr<BlobRecord> DecodeBlob(const std::string& name,
+                                      const std::string& value) {
+  const std::string what = absl::StrCat("blob ", name);
+  ASSIGN_OR_RETURN(json j, ParseRecord(value, what));
+  BlobRecord b;
+  if (!j.contains("size") || !j["size"].is_number_integer() ||
+      (j.contains("step") && !j["step"].is_number_integer())) {
+    return Corrupt(what);
+  }
+  b.size = j["size"].get<int64_t>();
+  b.step = j.value("step", int64_t{0});
+  if (b.size < 0) return Corrupt(what);
+  if (j.contains("chunks") && j["chunks"].is_string()) {
+    auto chunks = DecodeChunkSums(j["chunks"].get<std::string>());
+    if (!chunks.ok() ||
+        static_cast<int64_t>(chunks->size()) != ChunkCount(b.size)) {
+      return Corrupt(what);
+    }
+    b.chunks = *std::move(chunks);
+  } else if (j.contains("xxh3") && j["xxh3"].is_string()) {
+    uint64_t whole = 0;
+    if (!absl::SimpleHexAtoi(j["xxh3"].get<std::string>(), &whole))
+      return Corrupt(what);
+    b.whole_xxh3 = whole;
+  } else {
+    return Corrupt(what);
+  }
+  return b;
+}
+
+}  // namespace
+
 absl::StatusOr<std::map<std::string, BlobRecord>> Store::Blobs() const {
   ASSIGN_OR_RETURN(auto records, catalog_->Scan(Table::kBlobs));
   std::map<std::string, BlobRecord> blobs;
   for (const auto& [key, value] : records) {
-    std::string what = absl::StrCat("blob ", key);
-    ASSIGN_OR_RETURN(json j, ParseRecord(value, what));
-    if (!j.contains("size") || !j.contains("xxh3") || !j["xxh3"].is_string())
-      return Corrupt(what);
-    BlobRecord b;
-    b.size = j["size"].get<int64_t>();
-    b.xxh3 = std::stoull(j["xxh3"].get<std::string>(), nullptr, 16);
-    b.step = j.value("step", int64_t{0});
-    blobs[key] = b;
+    ASSIGN_OR_RETURN(blobs[key], DecodeBlob(key, value));
   }
   return blobs;
+}
+
+absl::StatusOr<BlobRecord> Store::Blob(const std::string& name) const {
+  ASSIGN_OR_RETURN(std::optional<std::string> value,
+                   catalog_->Get(Table::kBlobs, name));
+  if (!value) {
+    return absl::DataLossError(
+        absl::StrCat("blob ", name, " is not recorded in the catalog"));
+  }
+  return DecodeBlob(name, *value);
+}
+
+absl::Status Store::AddChunkSums() {
+  ASSIGN_OR_RETURN(auto blobs, Blobs());
+  Catalog::Batch batch;
+  for (auto& [name, record] : blobs) {
+    if (!record.whole_xxh3) continue;
+    // One read gives both: the whole-blob sum says the bytes are still the
+    // ones recorded, and only then are their chunk sums worth recording.
+    XXH3_state_t* whole = XXH3_createState();
+    absl::Cleanup free_whole = [whole] { XXH3_freeState(whole); };
+    XXH3_64bits_reset(whole);
+    ChunkHasher chunks;
+    absl::Status read =
+        ReadChunks(BlobPath(name), [&](const char* d, int64_t n) {
+          XXH3_64bits_update(whole, d, n);
+          chunks.Update(d, n);
+          return absl::OkStatus();
+        });
+    if (!read.ok() || chunks.bytes() != record.size ||
+        XXH3_64bits_digest(whole) != *record.whole_xxh3) {
+      ++blobs_not_upgraded_;
+      continue;
+    }
+    record.chunks = chunks.Finish();
+    record.whole_xxh3.reset();
+    batch.Put(Table::kBlobs, name, EncodeBlob(record));
+    ++blobs_upgraded_;
+  }
+  if (blobs_upgraded_ == 0) return absl::OkStatus();
+  return catalog_->Commit(batch);
 }
 
 absl::Status Store::DeleteStep(int64_t step) {
@@ -427,10 +501,13 @@ std::string Store::EncodeShard(const ShardRecord& shard) {
 }
 
 std::string Store::EncodeBlob(const BlobRecord& blob) {
-  return json{{"size", blob.size},
-              {"xxh3", absl::StrFormat("%016x", blob.xxh3)},
-              {"step", blob.step}}
-      .dump();
+  json j = {{"size", blob.size}, {"step", blob.step}};
+  if (blob.whole_xxh3) {
+    j["xxh3"] = absl::StrFormat("%016x", *blob.whole_xxh3);
+  } else {
+    j["chunks"] = EncodeChunkSums(blob.chunks);
+  }
+  return j.dump();
 }
 
 }  // namespace scalai

@@ -70,10 +70,15 @@ struct ShardRecord {
   std::vector<Location> tensors;
 };
 
+// A blob file: its size and the XXH3 of each of its chunks
+// (transfer/blob_checksum.h), taken as it was written.
 struct BlobRecord {
   int64_t size = 0;
-  uint64_t xxh3 = 0;
+  std::vector<uint64_t> chunks;
   int64_t step = 0;
+  // Records written before chunk sums hold one XXH3 of the whole blob
+  // instead; the next writable open of the store replaces them.
+  std::optional<uint64_t> whole_xxh3 = std::nullopt;
 };
 
 // A source file a dataset reads in place, as it was when registered: a
@@ -136,6 +141,11 @@ class Store {
   static std::string NewBlobName();
   // Blob files removed by the last open because no record named them.
   int orphans_removed() const { return orphans_removed_; }
+  // Blobs whose records the last open gave chunk sums (written by a version
+  // without them), and those it could not because their bytes no longer
+  // match the whole-blob checksum (fsck names them).
+  int blobs_upgraded() const { return blobs_upgraded_; }
+  int blobs_not_upgraded() const { return blobs_not_upgraded_; }
 
   absl::StatusOr<std::vector<StepRecord>> Steps() const;
   absl::StatusOr<std::optional<StepRecord>> FindStep(int64_t step) const;
@@ -143,6 +153,7 @@ class Store {
   absl::StatusOr<StepRecord> ResolveStep(std::optional<int64_t> step) const;
   absl::StatusOr<ShardRecord> Shard(int64_t step, int group) const;
   absl::StatusOr<std::map<std::string, BlobRecord>> Blobs() const;
+  absl::StatusOr<BlobRecord> Blob(const std::string& name) const;
   // Removes a step: its records, and the blobs no other step uses (their
   // files after the catalog commit).
   absl::Status DeleteStep(int64_t step);
@@ -163,6 +174,7 @@ class Store {
   Store() = default;
   absl::Status Load();
   absl::Status RemoveOrphans();
+  absl::Status AddChunkSums();
 
   std::string dir_;
   UniqueFd lock_;
@@ -171,6 +183,8 @@ class Store {
   std::shared_ptr<const Model> model_;
   std::optional<ParallelConfig> config_;
   int orphans_removed_ = 0;
+  int blobs_upgraded_ = 0;
+  int blobs_not_upgraded_ = 0;
 };
 
 }  // namespace scalai

@@ -38,7 +38,7 @@ class TreeTest : public ::testing::Test {
     fs::create_directories(dir_ / "src");
     layout_ = *Layout::Load("megatron-core-gpt");
     spec_ = *ModelSpec::Parse(
-        "layers=3,hidden=32,heads=4,groups=2,vocab=50,gated_linear_unit=1");
+        "layers=3,hidden=32,heads=4,groups=4,vocab=50,gated_linear_unit=1");
     ASSERT_TRUE(spec_.ApplyParams(layout_).ok());
     model_ = std::make_shared<const Model>(*spec_.Build(layout_, DType::kF32));
     const ParallelConfig saved = *ParallelConfig::Parse("tp=2,pp=1,dp=1");

@@ -2,6 +2,7 @@
 
 #include <memory>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "ptc/model_spec.h"
@@ -131,8 +132,7 @@ INSTANTIATE_TEST_SUITE_P(
         Refusal{"megatron-core-gpt", "layers=2,hidden=96,heads=4,vocab=100",
                 "tp=5,pp=1,dp=1",
                 "tensor decoder.layers.0.self_attention.linear_qkv.weight "
-                "[288, 96]: dim 0 "
-                "(size 288) is not divisible by tp=5"},
+                "[288, 96]: 4 query groups cannot be split across tp=5"},
         Refusal{"megatron-core-gpt",
                 "layers=2,hidden=12,heads=4,ffn=6,vocab=100,"
                 "gated_linear_unit=1",
@@ -148,9 +148,8 @@ INSTANTIATE_TEST_SUITE_P(
                 "stages=1:1 sum to 2 layers but the model has 3"},
         Refusal{"hf-llama", "layers=1,hidden=12,heads=6,groups=3,vocab=10",
                 "tp=4,pp=1,dp=1",
-                "tensor model.layers.0.self_attn.k_proj.weight [6, 12]: dim 0 "
-                "(size 6) is not "
-                "divisible by tp=4"}));
+                "tensor model.layers.0.self_attn.q_proj.weight [12, 12]: 6 "
+                "attention heads cannot be split across tp=4"}));
 
 TEST(Placement, VocabSizeParamMustMatchTheTensor) {
   Fixture f = Make("megatron-core-gpt", "layers=1,hidden=8,heads=2,vocab=10");
@@ -202,6 +201,67 @@ TEST(ModelSpec, BuildsSpecShapes) {
             (Shape{64, 100}));
   EXPECT_EQ(m.Find("output_layer.weight")->shape, (Shape{50, 64}));
   EXPECT_EQ(m.size(), 1 + 2 * 10 + 2);
+}
+
+}  // namespace
+}  // namespace scalai
+
+namespace scalai {
+namespace {
+
+// Issue 16: a tp that cuts an attention head or a query group is refused,
+// naming the tensor, the unit and the count; every tp that keeps them whole
+// (and divides the other split dimensions) is accepted.
+TEST(Placement, TpMustKeepHeadsAndQueryGroupsWhole) {
+  for (const std::string layout : {"megatron-core-gpt", "hf-llama"}) {
+    SCOPED_TRACE(layout);
+    // heads=8, groups=2, head dim 8; ffn and vocab divisible by every tp.
+    Fixture f =
+        Make(layout, "layers=2,hidden=64,heads=8,groups=2,ffn=256,vocab=512");
+    for (int tp : {1, 2}) {
+      EXPECT_TRUE(PlaceStatus(f, absl::StrCat("tp=", tp, ",pp=1,dp=1")).ok())
+          << "tp=" << tp;
+    }
+    for (int tp : {4, 8}) {
+      absl::Status s = PlaceStatus(f, absl::StrCat("tp=", tp, ",pp=1,dp=1"));
+      EXPECT_FALSE(s.ok()) << "tp=" << tp;
+      EXPECT_THAT(s.message(),
+                  HasSubstr(absl::StrCat("2 query groups cannot be split "
+                                         "across tp=",
+                                         tp)));
+      EXPECT_THAT(s.message(),
+                  HasSubstr(layout == "hf-llama" ? "self_attn.k_proj.weight"
+                                                 : "linear_qkv.weight"));
+    }
+    // heads=6 (no grouping): tp=4 would cut heads although every split
+    // dimension (qkv rows 18*8, hidden 48) divides by 4... except heads.
+    Fixture g = Make(layout, "layers=2,hidden=48,heads=6,ffn=192,vocab=512");
+    for (int tp : {1, 2, 3, 6}) {
+      EXPECT_TRUE(PlaceStatus(g, absl::StrCat("tp=", tp, ",pp=1,dp=1")).ok())
+          << "tp=" << tp;
+    }
+    absl::Status s = PlaceStatus(g, "tp=4,pp=1,dp=1");
+    EXPECT_FALSE(s.ok());
+    EXPECT_THAT(s.message(), HasSubstr("6 "));
+    EXPECT_THAT(s.message(), HasSubstr("cannot be split across tp=4"));
+  }
+}
+
+// A layout without the unit parameters (a store made before them) keeps
+// checking only divisibility.
+TEST(Placement, UnknownUnitsAreNotChecked) {
+  Fixture f = Make("megatron-core-gpt",
+                   "layers=2,hidden=64,heads=8,groups=2,ffn=256,vocab=512");
+  Layout plain = *Layout::Load("megatron-core-gpt");
+  ASSERT_TRUE(plain.SetParam("vocab_size", "512").ok());
+  EXPECT_TRUE(Placement::Create(plain, f.model,
+                                *ParallelConfig::Parse("tp=4,pp=1,dp=1"))
+                  .ok());
+  // ... and refuses what does not divide, as before.
+  absl::Status s = Placement::Create(plain, f.model,
+                                     *ParallelConfig::Parse("tp=5,pp=1,dp=1"))
+                       .status();
+  EXPECT_THAT(s.message(), HasSubstr("is not divisible by tp=5"));
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "ptc/layout.h"
 #include "ptc/model_spec.h"
@@ -71,6 +72,7 @@ struct Scenario {
   bool gated = false;
   int64_t vocab_divisor = 1;
   int64_t layers = 0;
+  int64_t heads = 0, groups = 0;
   std::vector<Bytes> full;  // random contents of every global tensor
 };
 
@@ -81,9 +83,13 @@ Scenario RandomScenario(std::mt19937_64& rng) {
   s.layout = *Layout::Load(s.layout_name);
   ModelSpec spec;
   spec.layers = pick({1, 2, 3, 5, 8, 16});
-  spec.heads = 16;
-  spec.hidden = 32;  // head dim 2
-  spec.groups = pick({16, 8, 4});
+  spec.heads = pick({4, 6, 8, 12, 16});
+  spec.hidden = spec.heads * pick({2, 4});  // head dim 2 or 4
+  std::vector<int64_t> divisors;
+  for (int64_t d = 1; d <= spec.heads; ++d) {
+    if (spec.heads % d == 0) divisors.push_back(d);
+  }
+  spec.groups = pick(divisors);
   spec.ffn = pick({48, 96});
   spec.vocab = 17 + rng() % 300;
   spec.bias = rng() % 2;
@@ -102,6 +108,8 @@ Scenario RandomScenario(std::mt19937_64& rng) {
   EXPECT_TRUE(model.ok()) << model.status();
   s.model = std::make_shared<const Model>(*std::move(model));
   s.layers = spec.layers;
+  s.heads = spec.heads;
+  s.groups = spec.groups;
   for (const TensorInfo& t : s.model->tensors()) {
     Bytes bytes(*TensorBytes(t.shape, t.dtype));
     for (std::byte& b : bytes) b = static_cast<std::byte>(rng());
@@ -433,6 +441,29 @@ TEST_P(ReshardPlanProperty, PlanTurnsShardsOfAIntoShardsOfBAndBack) {
       if (src.valid()) {
         EXPECT_EQ(bytes_a[src.group][src.shard], bytes_b[g][k]);
       }
+    }
+  }
+}
+
+// Every config whose tp cuts an attention head or a query group is refused
+// for saying so; the ones the plan test draws therefore keep them whole.
+TEST_P(ReshardPlanProperty, RefusesExactlyTheTpsThatCutHeadsOrGroups) {
+  std::mt19937_64 rng(GetParam() + 1000);
+  Scenario s = RandomScenario(rng);
+  for (int i = 0; i < 20; ++i) {
+    ParallelConfig c = RandomConfig(rng, s.layers);
+    SCOPED_TRACE(absl::StrCat(s.layout_name, " heads=", s.heads,
+                              " groups=", s.groups, " ", c.ToString()));
+    auto p = Placement::Create(s.layout, s.model, c);
+    const bool whole = s.heads % c.tp() == 0 && s.groups % c.tp() == 0;
+    if (!whole) {
+      ASSERT_FALSE(p.ok());
+      EXPECT_THAT(std::string(p.status().message()),
+                  ::testing::HasSubstr(
+                      absl::StrCat(" cannot be split across tp=", c.tp())));
+    } else if (!p.ok()) {
+      EXPECT_THAT(std::string(p.status().message()),
+                  ::testing::Not(::testing::HasSubstr("cannot be split")));
     }
   }
 }

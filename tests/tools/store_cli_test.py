@@ -18,7 +18,7 @@ from reference import (read_safetensors, write_safetensors, rank_shards, random_
                        scalai)
 
 BIN = sys.argv[1]
-LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB = 5, 48, 6, 3, 96, 101
+LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB = 5, 48, 12, 6, 96, 101
 DIVISOR = 8
 PARAMS = ["--param", f"vocab_size={VOCAB}", "--param", "gated_linear_unit=1",
           "--param", f"make_vocab_size_divisible_by={DIVISOR}"]

@@ -39,7 +39,7 @@ def check_config(tmp, model, gated, config, layers):
 
 def main():
     layers = 5
-    model = "layers=5,hidden=48,heads=6,groups=3,ffn=96,vocab=101,bias=1,gated_linear_unit=1"
+    model = "layers=5,hidden=48,heads=12,groups=6,ffn=96,vocab=101,bias=1,gated_linear_unit=1"
     with tempfile.TemporaryDirectory() as tmp:
         run("synth", os.path.join(tmp, "full"), "--layout", "megatron-core-gpt", "--model", model,
             "--full", "--dtype", "f32", "--seed", "5", "--param", "make_vocab_size_divisible_by=8")

@@ -43,7 +43,7 @@ class MaterializerTest : public ::testing::Test {
     fs::create_directories(dir_ / "src");
     layout_ = *Layout::Load("megatron-core-gpt");
     ModelSpec spec = *ModelSpec::Parse(
-        "layers=4,hidden=64,heads=4,groups=2,vocab=50,gated_linear_unit=1");
+        "layers=4,hidden=64,heads=4,groups=4,vocab=50,gated_linear_unit=1");
     ASSERT_TRUE(spec.ApplyParams(layout_).ok());
     model_ = std::make_shared<const Model>(*spec.Build(layout_, DType::kF32));
     Placement p = *Placement::Create(layout_, model_, saved_);

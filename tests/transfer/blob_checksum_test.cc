@@ -1,0 +1,263 @@
+// Chunk sums and verified reads (issue 16): the hasher agrees with hashing
+// each chunk alone however the bytes are fed; a BlobReader hands out only
+// bytes that match their chunk sums and names the blob, step and chunk when
+// they do not; a store's records without chunk sums get them at the next
+// writable open when the bytes still match; a file saved with rewrites gets
+// the sums of its final bytes.
+#include "transfer/blob_checksum.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "absl/strings/str_format.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "transfer/blob_reader.h"
+#include "transfer/step_writer.h"
+#include "transfer/store.h"
+#include "xxhash.h"
+
+namespace scalai {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+std::string RandomBytes(std::mt19937_64& rng, size_t n) {
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+std::vector<uint64_t> SumsOf(const std::string& bytes) {
+  std::vector<uint64_t> sums;
+  for (size_t at = 0; at < bytes.size(); at += kBlobChunkBytes) {
+    sums.push_back(
+        HashChunk(bytes.data() + at,
+                  std::min<int64_t>(kBlobChunkBytes, bytes.size() - at)));
+  }
+  return sums;
+}
+
+TEST(ChunkHasher, AgreesWithEachChunkHashedAloneHoweverFed) {
+  std::mt19937_64 rng(7);
+  for (size_t size :
+       {size_t{0}, size_t{1}, size_t(kBlobChunkBytes),
+        size_t(kBlobChunkBytes) + 1, size_t(3.5 * kBlobChunkBytes)}) {
+    const std::string bytes = RandomBytes(rng, size);
+    ChunkHasher hasher;
+    for (size_t at = 0; at < size;) {
+      const size_t n = std::min<size_t>(size - at, 1 + rng() % (3 << 20));
+      hasher.Update(bytes.data() + at, n);
+      at += n;
+    }
+    EXPECT_EQ(hasher.bytes(), static_cast<int64_t>(size));
+    EXPECT_EQ(hasher.Finish(), SumsOf(bytes)) << size;
+    EXPECT_EQ(static_cast<int64_t>(hasher.Finish().size()), ChunkCount(size));
+  }
+}
+
+TEST(ChunkSums, EncodeDecodeRoundTripAndRefuseDamage) {
+  std::vector<uint64_t> sums = {0, 1, 0xdeadbeefcafef00dull};
+  EXPECT_EQ(*DecodeChunkSums(EncodeChunkSums(sums)), sums);
+  EXPECT_FALSE(DecodeChunkSums("0123").ok());
+  EXPECT_FALSE(DecodeChunkSums("zz23456789abcdef").ok());
+}
+
+class BlobReaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           absl::StrFormat("blob-reader-%d", getpid());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    auto store = Store::Create((dir_ / "store").string(),
+                               *Layout::Load("megatron-core-gpt"));
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
+  }
+  void TearDown() override {
+    store_.reset();
+    fs::remove_all(dir_);
+  }
+
+  // A blob file with `bytes` and its record (chunk sums, or the whole-blob
+  // sum of an older store when `legacy`).
+  std::string AddBlob(const std::string& bytes, bool legacy = false,
+                      int64_t step = 7) {
+    const std::string name = Store::NewBlobName();
+    std::ofstream(store_->BlobPath(name), std::ios::binary) << bytes;
+    BlobRecord record{static_cast<int64_t>(bytes.size()), SumsOf(bytes), step};
+    if (legacy) {
+      record.chunks.clear();
+      record.whole_xxh3 = XXH3_64bits(bytes.data(), bytes.size());
+    }
+    Catalog::Batch batch;
+    batch.Put(Table::kBlobs, name, Store::EncodeBlob(record));
+    EXPECT_TRUE(store_->catalog().Commit(batch).ok());
+    return name;
+  }
+
+  // Changes one byte in place, as a bit flip on disk would, and moves the
+  // file's mtime on (the kernel's clock may not have ticked yet).
+  void Flip(const std::string& name, int64_t offset) {
+    const std::string path = store_->BlobPath(name);
+    int fd = open(path.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    char c;
+    ASSERT_EQ(pread(fd, &c, 1, offset), 1);
+    c = static_cast<char>(c ^ 0x40);
+    ASSERT_EQ(pwrite(fd, &c, 1, offset), 1);
+    struct stat st;
+    ASSERT_EQ(fstat(fd, &st), 0);
+    timespec times[2] = {st.st_atim, st.st_mtim};
+    times[1].tv_sec += 1;
+    ASSERT_EQ(futimens(fd, times), 0);
+    close(fd);
+  }
+
+  fs::path dir_;
+  std::unique_ptr<Store> store_;
+};
+
+TEST_F(BlobReaderTest, ServesMatchingBytesAndNamesTheBadChunk) {
+  std::mt19937_64 rng(1);
+  const std::string bytes = RandomBytes(rng, 3 * kBlobChunkBytes + 100);
+  const std::string name = AddBlob(bytes);
+  auto blob = BlobReader::Open(*store_, name);
+  std::string out(bytes.size(), '\0');
+  ASSERT_TRUE(blob->Read(out.data(), out.size(), 0).ok());
+  EXPECT_EQ(out, bytes);
+
+  // A byte of chunk 2 changes after the chunk was verified: the change of
+  // the file is seen and the chunk checked again.
+  Flip(name, 2 * kBlobChunkBytes + 5);
+  absl::Status s = blob->Verify(2 * kBlobChunkBytes, 10);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr(name));
+  EXPECT_THAT(s.message(), HasSubstr("step 7"));
+  EXPECT_THAT(s.message(), HasSubstr("chunk 2"));
+  // The other chunks are intact and still served.
+  EXPECT_TRUE(blob->Read(out.data(), kBlobChunkBytes, 0).ok());
+  EXPECT_TRUE(blob->Verify(3 * kBlobChunkBytes, 100).ok());
+  // A reader opened afterwards refuses it too.
+  auto again = BlobReader::Open(*store_, name);
+  EXPECT_FALSE(again->Read(out.data(), 1, 2 * kBlobChunkBytes).ok());
+  // Past the recorded end is refused, not read.
+  EXPECT_FALSE(again->Verify(bytes.size() - 1, 2).ok());
+}
+
+TEST_F(BlobReaderTest, TruncatedMissingAndUnrecordedBlobsFailEachRead) {
+  std::mt19937_64 rng(2);
+  const std::string bytes = RandomBytes(rng, 2 * kBlobChunkBytes);
+  const std::string short_blob = AddBlob(bytes);
+  auto blob = BlobReader::Open(*store_, short_blob);
+  ASSERT_EQ(truncate(store_->BlobPath(short_blob).c_str(), kBlobChunkBytes), 0);
+  std::string out(16, '\0');
+  absl::Status s = blob->Read(out.data(), 16, kBlobChunkBytes + 16);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("has ", kBlobChunkBytes)));
+  EXPECT_THAT(s.message(), HasSubstr(short_blob));
+
+  const std::string gone = AddBlob(bytes);
+  ASSERT_EQ(unlink(store_->BlobPath(gone).c_str()), 0);
+  s = BlobReader::Open(*store_, gone)->Read(out.data(), 16, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr(gone));
+  EXPECT_THAT(s.message(), HasSubstr("cannot be opened"));
+
+  s = BlobReader::Open(*store_, "unknown.blob")->Read(out.data(), 16, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr("not recorded"));
+}
+
+TEST_F(BlobReaderTest, OlderRecordsGetChunkSumsAtTheNextWritableOpen) {
+  std::mt19937_64 rng(3);
+  const std::string good = RandomBytes(rng, 2 * kBlobChunkBytes + 3);
+  const std::string bad = RandomBytes(rng, kBlobChunkBytes / 2);
+  const std::string good_name = AddBlob(good, /*legacy=*/true);
+  const std::string bad_name = AddBlob(bad, /*legacy=*/true);
+  Flip(bad_name, 10);
+  // Until then, an older record is verified as one chunk.
+  std::string out(good.size(), '\0');
+  EXPECT_TRUE(BlobReader::Open(*store_, good_name)
+                  ->Read(out.data(), out.size(), 0)
+                  .ok());
+  EXPECT_EQ(out, good);
+
+  const std::string dir = store_->dir();
+  store_.reset();
+  store_ = *Store::Open(dir);
+  EXPECT_EQ(store_->blobs_upgraded(), 1);
+  EXPECT_EQ(store_->blobs_not_upgraded(), 1);
+  BlobRecord upgraded = *store_->Blob(good_name);
+  EXPECT_FALSE(upgraded.whole_xxh3);
+  EXPECT_EQ(upgraded.chunks, SumsOf(good));
+  // The damaged one keeps its whole-blob sum, and reads of it fail.
+  EXPECT_TRUE(store_->Blob(bad_name)->whole_xxh3);
+  absl::Status s = BlobReader::Open(*store_, bad_name)->Read(out.data(), 1, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr("chunk 0"));
+  // Nothing more to do the next time.
+  store_.reset();
+  store_ = *Store::Open(dir);
+  EXPECT_EQ(store_->blobs_upgraded(), 0);
+}
+
+// What the file holds now, read back through the ShardFile.
+std::string Contents(ShardFile& f) {
+  std::string out(f.size(), '\0');
+  EXPECT_EQ(*f.Read(out.data(), out.size(), 0), f.size());
+  return out;
+}
+
+TEST_F(BlobReaderTest, SavedFileSumsAreOfTheBytesAsClosed) {
+  std::mt19937_64 rng(4);
+  const std::string final_bytes = RandomBytes(rng, 5 * kBlobChunkBytes + 77);
+  // A placeholder header, the data streamed, the real header written last.
+  {
+    auto f = *ShardFile::Scratch(store_->blob_dir());
+    std::string placeholder(4096, '\0');
+    ASSERT_TRUE(f->Write(placeholder.data(), placeholder.size(), 0).ok());
+    ASSERT_TRUE(
+        f->Write(final_bytes.data() + 4096, final_bytes.size() - 4096, 4096)
+            .ok());
+    ASSERT_TRUE(f->Write(final_bytes.data(), 4096, 0).ok());
+    EXPECT_EQ(Contents(*f), final_bytes);
+    EXPECT_EQ(*f->ChunkSums(), SumsOf(final_bytes));
+  }
+  // Random overlapping pieces, in any order, then a second pass.
+  for (int round = 0; round < 3; ++round) {
+    auto f = *ShardFile::Scratch(store_->blob_dir());
+    const std::string junk = RandomBytes(rng, final_bytes.size());
+    for (const std::string* src : {&junk, &final_bytes}) {
+      for (int i = 0; i < 40; ++i) {
+        const size_t at = rng() % final_bytes.size();
+        const size_t n =
+            std::min<size_t>(final_bytes.size() - at, 1 + rng() % (2 << 20));
+        ASSERT_TRUE(f->Write(src->data() + at, n, at).ok());
+      }
+      ASSERT_TRUE(f->ChunkSums().ok());  // a close between the passes
+    }
+    // Whatever the pieces missed, written in order at the end.
+    ASSERT_TRUE(f->Write(final_bytes.data(), final_bytes.size(), 0).ok());
+    EXPECT_EQ(*f->ChunkSums(), SumsOf(final_bytes)) << "round " << round;
+  }
+  // Written, truncated, written again.
+  {
+    auto f = *ShardFile::Scratch(store_->blob_dir());
+    std::string first = RandomBytes(rng, 3 * kBlobChunkBytes);
+    ASSERT_TRUE(f->Write(first.data(), first.size(), 0).ok());
+    ASSERT_TRUE(f->Truncate().ok());
+    ASSERT_TRUE(f->Write(final_bytes.data(), final_bytes.size(), 0).ok());
+    EXPECT_EQ(*f->ChunkSums(), SumsOf(final_bytes));
+  }
+}
+
+}  // namespace
+}  // namespace scalai

@@ -1,0 +1,124 @@
+#include "transfer/blob_reader.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "ptc/status_macros.h"
+#include "transfer/blob_checksum.h"
+
+namespace scalai {
+namespace {
+
+int64_t MtimeNs(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 +
+         st.st_mtim.tv_nsec;
+}
+
+}  // namespace
+
+std::shared_ptr<const BlobReader> BlobReader::Open(const Store& store,
+                                                   const std::string& name) {
+  return Open(store.BlobPath(name), name, store.Blob(name));
+}
+
+std::shared_ptr<const BlobReader> BlobReader::Open(
+    std::string path, std::string name, absl::StatusOr<BlobRecord> record) {
+  std::shared_ptr<BlobReader> blob(new BlobReader());
+  blob->name_ = std::move(name);
+  blob->path_ = std::move(path);
+  if (!record.ok()) {
+    blob->damage_ = record.status();
+    return blob;
+  }
+  blob->record_ = *std::move(record);
+  if (blob->record_.whole_xxh3) {
+    blob->chunk_bytes_ = std::max<int64_t>(blob->record_.size, 1);
+    if (blob->record_.size > 0) blob->sums_ = {*blob->record_.whole_xxh3};
+  } else {
+    blob->chunk_bytes_ = kBlobChunkBytes;
+    blob->sums_ = blob->record_.chunks;
+  }
+  const size_t words = (blob->sums_.size() + 63) / 64;
+  blob->verified_.reset(new std::atomic<uint64_t>[words]);
+  for (size_t i = 0; i < words; ++i) blob->verified_[i] = 0;
+  auto fd = OpenFile(blob->path_, O_RDONLY);
+  if (!fd.ok()) {
+    blob->damage_ = absl::DataLossError(absl::StrCat(
+        blob->Where(), " cannot be opened: ", fd.status().message()));
+    return blob;
+  }
+  blob->fd_ = *std::move(fd);
+  struct stat st;
+  if (fstat(blob->fd_.get(), &st) == 0) blob->mtime_ns_ = MtimeNs(st);
+  auto map = MappedFile::Map(blob->fd_.get(), blob->record_.size, blob->path_);
+  if (!map.ok()) {
+    blob->damage_ = absl::DataLossError(absl::StrCat(
+        blob->Where(), " cannot be mapped: ", map.status().message()));
+    return blob;
+  }
+  blob->map_ = *std::move(map);
+  return blob;
+}
+
+std::string BlobReader::Where() const {
+  return absl::StrCat("blob ", name_, " of step ", record_.step);
+}
+
+absl::Status BlobReader::CheckFile() const {
+  struct stat st;
+  if (fstat(fd_.get(), &st) != 0) return ErrnoError(errno, "stat", path_);
+  if (st.st_size != record_.size) {
+    return absl::DataLossError(
+        absl::StrCat(Where(), " has ", st.st_size, " bytes, the catalog says ",
+                     record_.size, " (run scalai fsck)"));
+  }
+  const int64_t mtime = MtimeNs(st);
+  if (mtime_ns_.exchange(mtime) != mtime) {
+    // Written since it was verified (a store's blobs never are): every
+    // chunk is checked again.
+    for (size_t i = 0; i < (sums_.size() + 63) / 64; ++i) verified_[i] = 0;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlobReader::VerifyChunk(int64_t chunk) const {
+  std::atomic<uint64_t>& word = verified_[chunk / 64];
+  const uint64_t bit = uint64_t{1} << (chunk % 64);
+  if (word.load(std::memory_order_acquire) & bit) return absl::OkStatus();
+  const int64_t begin = chunk * chunk_bytes_;
+  const int64_t bytes = std::min(chunk_bytes_, record_.size - begin);
+  if (HashChunk(map_.data() + begin, bytes) != sums_[chunk]) {
+    return absl::DataLossError(absl::StrCat(
+        Where(), ": chunk ", chunk, " (bytes ", begin, "-", begin + bytes,
+        ") does not match its checksum (run scalai fsck)"));
+  }
+  word.fetch_or(bit, std::memory_order_release);
+  return absl::OkStatus();
+}
+
+absl::Status BlobReader::Verify(int64_t offset, int64_t length) const {
+  if (!damage_.ok()) return damage_;
+  if (length <= 0) return absl::OkStatus();
+  if (offset < 0 || offset + length > record_.size) {
+    return absl::DataLossError(
+        absl::StrCat(Where(), ": bytes ", offset, "-", offset + length,
+                     " lie past its recorded size ", record_.size));
+  }
+  RETURN_IF_ERROR(CheckFile());
+  const int64_t last = (offset + length - 1) / chunk_bytes_;
+  for (int64_t c = offset / chunk_bytes_; c <= last; ++c) {
+    RETURN_IF_ERROR(VerifyChunk(c));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlobReader::Read(char* out, int64_t length, int64_t offset) const {
+  RETURN_IF_ERROR(Verify(offset, length));
+  if (length > 0) std::memcpy(out, map_.data() + offset, length);
+  return absl::OkStatus();
+}
+
+}  // namespace scalai

@@ -1,0 +1,77 @@
+// A BlobReader is one blob of a store open for reading, whose bytes are
+// verified against the blob's chunk sums (blob_checksum.h) the first time
+// each chunk is read, and remembered as verified while the file stays as it
+// was (same size and modification time). A blob that is missing, short,
+// changed or unrecorded still opens: every read that needs it fails with a
+// DataLoss error naming the blob, its step and the chunk, so one damaged blob
+// costs only the reads that touch it and wrong bytes are never handed out.
+//
+//   std::shared_ptr<const BlobReader> blob = BlobReader::Open(store, name);
+//   RETURN_IF_ERROR(blob->Verify(offset, n));  // then blob->data() + offset
+//   RETURN_IF_ERROR(blob->Read(out, n, offset));
+#ifndef SCALAI_TRANSFER_BLOB_READER_H_
+#define SCALAI_TRANSFER_BLOB_READER_H_
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "transfer/files.h"
+#include "transfer/store.h"
+
+namespace scalai {
+
+class BlobReader {
+ public:
+  static std::shared_ptr<const BlobReader> Open(const Store& store,
+                                                const std::string& name);
+  // The same, with the record already looked up (Store::Blob).
+  static std::shared_ptr<const BlobReader> Open(
+      std::string path, std::string name, absl::StatusOr<BlobRecord> record);
+  BlobReader(const BlobReader&) = delete;
+  BlobReader& operator=(const BlobReader&) = delete;
+
+  const std::string& name() const { return name_; }
+  int64_t step() const { return record_.step; }
+  // The recorded size.
+  int64_t size() const { return record_.size; }
+  // The blob mapped; a range may be touched only after Verify accepted it.
+  const std::byte* data() const { return map_.data(); }
+  int fd() const { return fd_.get(); }
+
+  // Checks that bytes [offset, offset + length) are the bytes recorded:
+  // each chunk they touch is hashed the first time. Thread-safe.
+  absl::Status Verify(int64_t offset, int64_t length) const;
+  // Verify, then copy the bytes out.
+  absl::Status Read(char* out, int64_t length, int64_t offset) const;
+
+ private:
+  BlobReader() = default;
+  // The file is still the size recorded; forgets what was verified when it
+  // was modified since.
+  absl::Status CheckFile() const;
+  absl::Status VerifyChunk(int64_t chunk) const;
+  std::string Where() const;
+
+  std::string name_;
+  std::string path_;
+  BlobRecord record_;
+  // kBlobChunkBytes; the whole blob for a record with one whole-blob sum.
+  int64_t chunk_bytes_ = 0;
+  std::vector<uint64_t> sums_;
+  absl::Status damage_;  // why the blob cannot be read at all
+  UniqueFd fd_;
+  MappedFile map_;
+  // One bit a chunk: verified since the file was last seen modified.
+  std::unique_ptr<std::atomic<uint64_t>[]> verified_;
+  mutable std::atomic<int64_t> mtime_ns_{0};
+};
+
+}  // namespace scalai
+
+#endif  // SCALAI_TRANSFER_BLOB_READER_H_
