@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -269,6 +270,24 @@ def check_reconfigure(mnt, full):
         assert p.returncode != 0 and "Invalid argument" in p.stderr, p.stderr
         status = json.load(open(f"{mnt}/status"))
         assert status["config"] == FINAL and "not divisible by tp=5" in status["error"], status
+        # A huge, binary config: refused, and status quotes only a short,
+        # escaped excerpt of it (it used to echo all of it).
+        junk = b"tp=\xff\xfe," + b"x" * (1 << 20)
+        fd = os.open(f"{mnt}/config", os.O_WRONLY | os.O_TRUNC)
+        try:
+            os.write(fd, junk)
+            raise AssertionError("a 1 MiB binary config was accepted")
+        except OSError as e:
+            assert e.errno == errno.EINVAL, e
+        finally:
+            os.close(fd)
+        with open(f"{mnt}/status", "rb") as f:
+            text = f.read()
+        status = json.loads(text)
+        # (the kernel may hand the write over in 1 MiB pieces: the first is refused)
+        cut = re.search(r"\.\.\. \((\d+) bytes\)", status["error"])
+        assert len(text) < 2000 and cut and int(cut.group(1)) > 1000, status
+        assert "\\xff" in status["error"] and status["config"] == FINAL, status
         p = run("reconfigure", mnt, "tp=2,pp=9,dp=1", expect=1)
         assert "pp=9 needs at least 9 layers but the model has 4" in p.stderr, p.stderr
         out = run("reconfigure", mnt, FINAL, "--wait").stdout

@@ -2,6 +2,7 @@
 
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -153,6 +154,25 @@ TEST(ExtraSourceRank, AlwaysNamesARankThatSaved) {
       }
     }
   }
+}
+
+// Issue 16: a refusal quotes the input, but only a short, printable excerpt
+// of it, however long or binary the input was.
+TEST(ParallelConfig, ErrorsQuoteAShortEscapedExcerpt) {
+  const std::string huge = "tp=\xff\x01," + std::string(1 << 20, 'x');
+  auto c = ParallelConfig::Parse(huge);
+  ASSERT_FALSE(c.ok());
+  const std::string message(c.status().message());
+  EXPECT_LT(message.size(), 400u) << message.substr(0, 400);
+  EXPECT_THAT(message, HasSubstr(absl::StrCat("(", huge.size(), " bytes)")));
+  EXPECT_THAT(message, HasSubstr("tp=\\xff\\x01 is not a number"));
+  for (char ch : message) {
+    EXPECT_TRUE(ch >= 0x20 && ch < 0x7f) << static_cast<int>(ch);
+  }
+  c = ParallelConfig::Parse(std::string("tp=2,pp=1,dp=1,\x80=3"));
+  ASSERT_FALSE(c.ok());
+  EXPECT_THAT(std::string(c.status().message()),
+              HasSubstr("unknown key \"\\x80\""));
 }
 
 }  // namespace
