@@ -15,7 +15,7 @@ meson compile -C build >/dev/null
 scalai=build/tools/scalai
 work=$(mktemp -d /tmp/scalai-demo.XXXXXX)
 trap 'mountpoint -q "$work/mnt" && umount -l "$work/mnt"; rm -rf "$work"' EXIT
-model="layers=8,hidden=512,heads=8,groups=2,vocab=32000,gated_linear_unit=1"
+model="layers=8,hidden=512,heads=8,groups=4,vocab=32000,gated_linear_unit=1"
 
 if [[ -t 1 ]]; then bold=$'\033[1m' plain=$'\033[0m'; else bold='' plain=''; fi
 step() { printf '\n%s$ %s%s\n' "$bold" "$*" "$plain"; "$@"; }
@@ -28,7 +28,7 @@ step ls -l "$work/ckpt"/rank-00000 "$work/ckpt"/rank-00005
 echo
 echo "== Keep it in a store: import, inspect, verify =="
 step "$scalai" init "$work/job" --layout megatron-core-gpt --param vocab_size=32000 \
-  --param gated_linear_unit=1
+  --param gated_linear_unit=1 --param num_attention_heads=8 --param num_query_groups=4
 step "$scalai" import "$work/job" "$work/ckpt" --config tp=2,pp=2,dp=2 --step 100
 step "$scalai" fsck "$work/job"
 
@@ -48,6 +48,9 @@ echo
 echo "== Shrink to 4 GPUs as tp=4,pp=1,dp=1: what moves? =="
 step "$scalai" plan --layout megatron-core-gpt --model "$model" \
   --from tp=2,pp=2,dp=2 --to tp=4,pp=1,dp=1
+
+echo "== tp=8 would cut the 4 query groups in halves, which no framework can load: refused =="
+step "$scalai" plan "$work/job" --to tp=8,pp=1,dp=1 || true
 
 step "$scalai" export "$work/job" "$work/tp4" --config tp=4,pp=1,dp=1
 step ls -l "$work/tp4"/rank-00000
@@ -96,6 +99,20 @@ EOF
   step rm -r "$work/mnt/ckpt/step-00000300"
   step "$scalai" umount "$work/mnt"
   step "$scalai" fsck "$work/job"
+
+  echo
+  echo "== A byte flipped on disk is never served, nor copied into a new shard: the read fails =="
+  echo "== (EIO) and status names the blob, its step and the chunk; the other ranks read on =="
+  step "$scalai" init "$work/job2" --layout megatron-core-gpt --param vocab_size=32000 \
+    --param gated_linear_unit=1 --param num_attention_heads=8 --param num_query_groups=4
+  step "$scalai" import "$work/job2" "$work/ckpt" --config tp=2,pp=2,dp=2 --step 100
+  blob=$(ls "$work/job2/blobs" | head -n 1)
+  step sh -c "printf '\\377' | dd of='$work/job2/blobs/$blob' bs=1 seek=5000000 conv=notrunc status=none"
+  step "$scalai" mount "$work/job2" "$work/mnt"
+  step sh -c "for r in '$work/mnt/ckpt/latest'/rank-*; do cat \$r/model.safetensors > /dev/null && echo \${r##*/} ok; done; cat '$work/mnt/status'"
+  step "$scalai" reconfigure "$work/mnt" tp=4,pp=1,dp=1 --wait || true
+  step "$scalai" umount "$work/mnt"
+  step "$scalai" fsck "$work/job2" || true
 fi
 
 echo

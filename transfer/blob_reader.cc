@@ -2,7 +2,10 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -84,18 +87,86 @@ absl::Status BlobReader::CheckFile() const {
   return absl::OkStatus();
 }
 
+bool BlobReader::IsVerified(int64_t chunk) const {
+  return verified_[chunk / 64].load(std::memory_order_acquire) &
+         (uint64_t{1} << (chunk % 64));
+}
+
+void BlobReader::MarkVerified(int64_t chunk) const {
+  verified_[chunk / 64].fetch_or(uint64_t{1} << (chunk % 64),
+                                 std::memory_order_release);
+}
+
+absl::Status BlobReader::ChunkMismatch(int64_t chunk) const {
+  const int64_t begin = chunk * chunk_bytes_;
+  const int64_t end = std::min(begin + chunk_bytes_, record_.size);
+  return absl::DataLossError(
+      absl::StrCat(Where(), ": chunk ", chunk, " (bytes ", begin, "-", end,
+                   ") does not match its checksum (run scalai fsck)"));
+}
+
 absl::Status BlobReader::VerifyChunk(int64_t chunk) const {
-  std::atomic<uint64_t>& word = verified_[chunk / 64];
-  const uint64_t bit = uint64_t{1} << (chunk % 64);
-  if (word.load(std::memory_order_acquire) & bit) return absl::OkStatus();
+  if (IsVerified(chunk)) return absl::OkStatus();
   const int64_t begin = chunk * chunk_bytes_;
   const int64_t bytes = std::min(chunk_bytes_, record_.size - begin);
   if (HashChunk(map_.data() + begin, bytes) != sums_[chunk]) {
-    return absl::DataLossError(absl::StrCat(
-        Where(), ": chunk ", chunk, " (bytes ", begin, "-", begin + bytes,
-        ") does not match its checksum (run scalai fsck)"));
+    return ChunkMismatch(chunk);
   }
-  word.fetch_or(bit, std::memory_order_release);
+  MarkVerified(chunk);
+  return absl::OkStatus();
+}
+
+absl::Status BlobReader::PreadAll(char* out, int64_t bytes,
+                                  int64_t offset) const {
+  for (int64_t done = 0; done < bytes;) {
+    const ssize_t n = pread(fd_.get(), out + done, bytes - done, offset + done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(errno, "read", path_);
+    if (n == 0) {
+      return absl::DataLossError(
+          absl::StrCat(Where(), " ends at byte ", offset + done,
+                       ", the catalog says ", record_.size));
+    }
+    done += n;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlobReader::ReadInto(int64_t offset, int64_t length, char* buffer,
+                                  const Sink& sink) const {
+  if (chunk_bytes_ > kBlobChunkBytes) {
+    // A whole-blob sum (an older record): verified through the mapping.
+    RETURN_IF_ERROR(Verify(offset, length));
+    for (int64_t at = offset; at < offset + length; at += kBlobChunkBytes) {
+      const int64_t n = std::min(kBlobChunkBytes, offset + length - at);
+      RETURN_IF_ERROR(PreadAll(buffer, n, at));
+      RETURN_IF_ERROR(sink(buffer, n));
+    }
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(Verify(offset, 0));  // damage known at open
+  if (length <= 0) return absl::OkStatus();
+  if (offset < 0 || offset + length > record_.size) {
+    return Verify(offset, length);  // names the range past the end
+  }
+  RETURN_IF_ERROR(CheckFile());
+  const int64_t end = offset + length;
+  for (int64_t c = offset / kBlobChunkBytes; c * kBlobChunkBytes < end; ++c) {
+    const int64_t chunk_begin = c * kBlobChunkBytes;
+    const int64_t from = std::max(offset, chunk_begin);
+    const int64_t to = std::min(end, chunk_begin + kBlobChunkBytes);
+    if (IsVerified(c)) {
+      RETURN_IF_ERROR(PreadAll(buffer, to - from, from));
+      RETURN_IF_ERROR(sink(buffer, to - from));
+      continue;
+    }
+    const int64_t chunk_bytes =
+        std::min(kBlobChunkBytes, record_.size - chunk_begin);
+    RETURN_IF_ERROR(PreadAll(buffer, chunk_bytes, chunk_begin));
+    if (HashChunk(buffer, chunk_bytes) != sums_[c]) return ChunkMismatch(c);
+    MarkVerified(c);
+    RETURN_IF_ERROR(sink(buffer + (from - chunk_begin), to - from));
+  }
   return absl::OkStatus();
 }
 

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,6 +50,14 @@ class BlobReader {
   absl::Status Verify(int64_t offset, int64_t length) const;
   // Verify, then copy the bytes out.
   absl::Status Read(char* out, int64_t length, int64_t offset) const;
+  // Hands bytes [offset, offset + length) to `sink` in order, in pieces of
+  // at most kBlobChunkBytes, read with pread into `buffer` (kBlobChunkBytes
+  // long) and never through the mapping: a long sequential copy pays no page
+  // faults, and a chunk not yet verified is read whole, once, and verified
+  // from the same buffer it is copied from.
+  using Sink = std::function<absl::Status(const char* data, int64_t bytes)>;
+  absl::Status ReadInto(int64_t offset, int64_t length, char* buffer,
+                        const Sink& sink) const;
 
  private:
   BlobReader() = default;
@@ -56,6 +65,11 @@ class BlobReader {
   // was modified since.
   absl::Status CheckFile() const;
   absl::Status VerifyChunk(int64_t chunk) const;
+  bool IsVerified(int64_t chunk) const;
+  void MarkVerified(int64_t chunk) const;
+  absl::Status ChunkMismatch(int64_t chunk) const;
+  // pread of exactly `bytes`; a short file is damage.
+  absl::Status PreadAll(char* out, int64_t bytes, int64_t offset) const;
   std::string Where() const;
 
   std::string name_;

@@ -55,7 +55,8 @@ class BlobWriter {
   BlobWriter(UniqueFd out, std::string path)
       : out_(std::move(out)),
         path_(std::move(path)),
-        window_(new char[kChunkBytes]) {}
+        window_(new char[kChunkBytes]),
+        source_(new char[kBlobChunkBytes]) {}
 
   absl::Status Append(const char* data, int64_t n) {
     if (n >= kChunkBytes) {
@@ -71,24 +72,21 @@ class BlobWriter {
     return absl::OkStatus();
   }
 
-  // Long pieces are read from their file in chunks through the window:
-  // no page faults on the source mapping, and the hash and the write find
-  // each chunk in the CPU's cache.
-  absl::Status AppendFromFile(int fd, int64_t offset, int64_t n) {
+  // Long pieces are read from their blob with pread, a source chunk at a
+  // time, which is also when an unverified chunk is checked: no page faults
+  // on the source mapping, and the hash and the write find each piece in
+  // the CPU's cache.
+  absl::Status AppendFromBlob(const BlobReader& blob, int64_t offset,
+                              int64_t n) {
     RETURN_IF_ERROR(Flush());
-    for (int64_t at = 0; at < n;) {
-      const int64_t want = std::min(kChunkBytes, n - at);
-      ssize_t got = pread(fd, window_.get(), want, offset + at);
-      if (got < 0 && errno == EINTR) continue;
-      if (got <= 0) {
-        return absl::DataLossError(
-            absl::StrCat("cannot read a source blob of ", path_, ": ",
-                         got < 0 ? std::strerror(errno) : "unexpected end"));
-      }
-      RETURN_IF_ERROR(HashAndWrite(window_.get(), got));
-      at += got;
-    }
-    return absl::OkStatus();
+    return blob.ReadInto(
+        offset, n, source_.get(), [this](const char* data, int64_t bytes) {
+          for (int64_t at = 0; at < bytes; at += kChunkBytes) {
+            RETURN_IF_ERROR(
+                HashAndWrite(data + at, std::min(kChunkBytes, bytes - at)));
+          }
+          return absl::OkStatus();
+        });
   }
 
   absl::Status AppendZeros(int64_t n) {
@@ -122,6 +120,7 @@ class BlobWriter {
   UniqueFd out_;
   std::string path_;
   std::unique_ptr<char[]> window_;
+  std::unique_ptr<char[]> source_;  // a source blob's chunk, for ReadInto
   int64_t used_ = 0;
   int64_t written_ = 0;
   WriteBehind behind_{WriteBehind::Pages::kKeep};
@@ -147,11 +146,11 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
         // A corrupt source is never copied into a blob with a fresh
         // checksum: the materialization fails naming it.
         const StepBytes::Tensor& t = view.stored().tensor(seg.src);
-        RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length));
         if (seg.length >= kChunkBytes) {
-          RETURN_IF_ERROR(writer.AppendFromFile(t.fd, t.offset + seg.src_offset,
-                                                seg.length));
+          RETURN_IF_ERROR(writer.AppendFromBlob(
+              *t.blob, t.offset + seg.src_offset, seg.length));
         } else {
+          RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length));
           RETURN_IF_ERROR(writer.Append(
               reinterpret_cast<const char*>(t.data) + seg.src_offset,
               seg.length));

@@ -152,6 +152,40 @@ TEST_F(BlobReaderTest, ServesMatchingBytesAndNamesTheBadChunk) {
   EXPECT_FALSE(again->Verify(bytes.size() - 1, 2).ok());
 }
 
+// The materializer's path: pread a chunk at a time, never the mapping.
+TEST_F(BlobReaderTest, ReadIntoVerifiesWhatItHandsOut) {
+  std::mt19937_64 rng(5);
+  const std::string bytes = RandomBytes(rng, 4 * kBlobChunkBytes + 999);
+  const std::string name = AddBlob(bytes);
+  std::unique_ptr<char[]> buffer(new char[kBlobChunkBytes]);
+  auto read_into = [&](const BlobReader& blob, int64_t offset, int64_t n,
+                       std::string& out) {
+    out.clear();
+    return blob.ReadInto(offset, n, buffer.get(),
+                         [&](const char* data, int64_t k) {
+                           EXPECT_LE(k, kBlobChunkBytes);
+                           out.append(data, k);
+                           return absl::OkStatus();
+                         });
+  };
+  auto blob = BlobReader::Open(*store_, name);
+  std::string out;
+  for (int i = 0; i < 30; ++i) {
+    const int64_t offset = rng() % bytes.size();
+    const int64_t n = rng() % (bytes.size() - offset + 1);
+    ASSERT_TRUE(read_into(*blob, offset, n, out).ok());
+    EXPECT_EQ(out, bytes.substr(offset, n));
+  }
+  Flip(name, 3 * kBlobChunkBytes + 1);
+  auto fresh = BlobReader::Open(*store_, name);
+  absl::Status s = read_into(*fresh, 0, bytes.size(), out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr("chunk 3"));
+  // The chunks before it were handed out; nothing of chunk 3 was.
+  EXPECT_EQ(out, bytes.substr(0, 3 * kBlobChunkBytes));
+  EXPECT_FALSE(read_into(*fresh, bytes.size() - 5, 10, out).ok());
+}
+
 TEST_F(BlobReaderTest, TruncatedMissingAndUnrecordedBlobsFailEachRead) {
   std::mt19937_64 rng(2);
   const std::string bytes = RandomBytes(rng, 2 * kBlobChunkBytes);
