@@ -70,7 +70,8 @@ std::string BlobReader::Where() const {
   return absl::StrCat("blob ", name_, " of step ", record_.step);
 }
 
-absl::Status BlobReader::CheckFile() const {
+absl::Status BlobReader::CheckUnchanged() const {
+  if (!damage_.ok()) return damage_;
   struct stat st;
   if (fstat(fd_.get(), &st) != 0) return ErrnoError(errno, "stat", path_);
   if (st.st_size != record_.size) {
@@ -144,12 +145,12 @@ absl::Status BlobReader::ReadInto(int64_t offset, int64_t length, char* buffer,
     }
     return absl::OkStatus();
   }
-  RETURN_IF_ERROR(Verify(offset, 0));  // damage known at open
+  if (!damage_.ok()) return damage_;
   if (length <= 0) return absl::OkStatus();
   if (offset < 0 || offset + length > record_.size) {
-    return Verify(offset, length);  // names the range past the end
+    return VerifyChunks(offset, length);  // names the range past the end
   }
-  RETURN_IF_ERROR(CheckFile());
+  RETURN_IF_ERROR(CheckUnchanged());
   const int64_t end = offset + length;
   for (int64_t c = offset / kBlobChunkBytes; c * kBlobChunkBytes < end; ++c) {
     const int64_t chunk_begin = c * kBlobChunkBytes;
@@ -171,6 +172,12 @@ absl::Status BlobReader::ReadInto(int64_t offset, int64_t length, char* buffer,
 }
 
 absl::Status BlobReader::Verify(int64_t offset, int64_t length) const {
+  if (length <= 0) return damage_;
+  RETURN_IF_ERROR(CheckUnchanged());
+  return VerifyChunks(offset, length);
+}
+
+absl::Status BlobReader::VerifyChunks(int64_t offset, int64_t length) const {
   if (!damage_.ok()) return damage_;
   if (length <= 0) return absl::OkStatus();
   if (offset < 0 || offset + length > record_.size) {
@@ -178,7 +185,6 @@ absl::Status BlobReader::Verify(int64_t offset, int64_t length) const {
         absl::StrCat(Where(), ": bytes ", offset, "-", offset + length,
                      " lie past its recorded size ", record_.size));
   }
-  RETURN_IF_ERROR(CheckFile());
   const int64_t last = (offset + length - 1) / chunk_bytes_;
   for (int64_t c = offset / chunk_bytes_; c <= last; ++c) {
     RETURN_IF_ERROR(VerifyChunk(c));
@@ -189,6 +195,15 @@ absl::Status BlobReader::Verify(int64_t offset, int64_t length) const {
 absl::Status BlobReader::Read(char* out, int64_t length, int64_t offset) const {
   RETURN_IF_ERROR(Verify(offset, length));
   if (length > 0) std::memcpy(out, map_.data() + offset, length);
+  return absl::OkStatus();
+}
+
+absl::Status UnchangedBlobs::Check(const BlobReader& blob) {
+  if (std::find(checked_.begin(), checked_.end(), &blob) != checked_.end()) {
+    return absl::OkStatus();
+  }
+  RETURN_IF_ERROR(blob.CheckUnchanged());
+  checked_.push_back(&blob);
   return absl::OkStatus();
 }
 

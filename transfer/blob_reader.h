@@ -46,8 +46,15 @@ class BlobReader {
   int fd() const { return fd_.get(); }
 
   // Checks that bytes [offset, offset + length) are the bytes recorded:
-  // each chunk they touch is hashed the first time. Thread-safe.
+  // the file is unchanged (CheckUnchanged), and each chunk they touch is
+  // hashed the first time. Thread-safe.
   absl::Status Verify(int64_t offset, int64_t length) const;
+  // The two halves of Verify, for an operation that reads many small pieces
+  // of a blob (rows of a tensor split along dim 1): one fstat, that the
+  // file still has its recorded size (a new modification time forgets which
+  // chunks were checked), then the chunks of each piece.
+  absl::Status CheckUnchanged() const;
+  absl::Status VerifyChunks(int64_t offset, int64_t length) const;
   // Verify, then copy the bytes out.
   absl::Status Read(char* out, int64_t length, int64_t offset) const;
   // Hands bytes [offset, offset + length) to `sink` in order, in pieces of
@@ -61,9 +68,6 @@ class BlobReader {
 
  private:
   BlobReader() = default;
-  // The file is still the size recorded; forgets what was verified when it
-  // was modified since.
-  absl::Status CheckFile() const;
   absl::Status VerifyChunk(int64_t chunk) const;
   bool IsVerified(int64_t chunk) const;
   void MarkVerified(int64_t chunk) const;
@@ -84,6 +88,21 @@ class BlobReader {
   // One bit a chunk: verified since the file was last seen modified.
   std::unique_ptr<std::atomic<uint64_t>[]> verified_;
   mutable std::atomic<int64_t> mtime_ns_{0};
+};
+
+// The blobs that one operation (a read request, a blob being written) has
+// found unchanged, so that it looks at each once however many pieces it
+// reads from it.
+//
+//   UnchangedBlobs unchanged;
+//   RETURN_IF_ERROR(unchanged.Check(blob));
+//   RETURN_IF_ERROR(blob.VerifyChunks(offset, n));
+class UnchangedBlobs {
+ public:
+  absl::Status Check(const BlobReader& blob);
+
+ private:
+  std::vector<const BlobReader*> checked_;  // few: a linear search is fastest
 };
 
 }  // namespace scalai

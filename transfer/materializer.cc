@@ -136,6 +136,7 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
   BlobWriter writer(std::move(out), path);
   RETURN_IF_ERROR(writer.Append(job.header.data(), job.header.size()));
   const std::vector<TensorShard>& shards = view.placement().shards(job.group);
+  UnchangedBlobs unchanged;
   for (int k : job.shards) {
     RETURN_IF_ERROR(CheckCancel(cancel));
     ASSIGN_OR_RETURN(std::vector<Segment> segments,
@@ -150,7 +151,7 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
           RETURN_IF_ERROR(writer.AppendFromBlob(
               *t.blob, t.offset + seg.src_offset, seg.length));
         } else {
-          RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length));
+          RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length, unchanged));
           RETURN_IF_ERROR(writer.Append(
               reinterpret_cast<const char*>(t.data) + seg.src_offset,
               seg.length));

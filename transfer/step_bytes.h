@@ -44,6 +44,12 @@ class StepBytes {
     absl::Status Verify(int64_t at, int64_t length) const {
       return blob->Verify(offset + at, length);
     }
+    // The same, once `unchanged` has looked at the blob in this operation.
+    absl::Status Verify(int64_t at, int64_t length,
+                        UnchangedBlobs& unchanged) const {
+      if (absl::Status s = unchanged.Check(*blob); !s.ok()) return s;
+      return blob->VerifyChunks(offset + at, length);
+    }
   };
   const Tensor& tensor(ShardRef ref) const {
     return tensors_[ref.group][ref.shard];

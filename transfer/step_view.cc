@@ -31,11 +31,12 @@ absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
   }
   ASSIGN_OR_RETURN(std::vector<Segment> segments,
                    plan_.Resolve(group, shard, offset, length));
+  UnchangedBlobs unchanged;
   for (const Segment& seg : segments) {
     char* dst = out + (seg.dst_offset - offset);
     if (seg.src.valid()) {
       const StepBytes::Tensor& t = bytes_.tensor(seg.src);
-      RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length));
+      RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length, unchanged));
       std::memcpy(dst, t.data + seg.src_offset, seg.length);
     } else {
       std::memset(dst, 0, seg.length);
