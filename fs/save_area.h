@@ -1,4 +1,4 @@
-// The writable part of the mount: steps being saved under ckpt/ (SPEC
+// The writable part of the mount: steps being saved under ckpt/ (docs/reference.md
 // section 3, "Saving a checkpoint through the mount"), free of FUSE like the
 // Tree. A worker's `mkdir ckpt/step-N` starts a step under the current
 // config, `mkdir step-N/rank-R` and a write of `rank-R/model.safetensors`

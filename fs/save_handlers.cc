@@ -1,4 +1,4 @@
-// The FUSE handlers of saving (SPEC section 3, "Saving a checkpoint through
+// The FUSE handlers of saving (docs/reference.md, "Saving a checkpoint through
 // the mount"): mkdir of steps and ranks, files created and written into
 // their blobs, checked at close, and the step published once complete.
 #include <fcntl.h>

@@ -222,7 +222,7 @@ absl::Status Tree::AddDatasets(const Store& store,
   for (const auto& [name, record] : records) {
     ASSIGN_OR_RETURN(std::shared_ptr<const DatasetSource> source,
                      DatasetSource::Open(store, name, record));
-    // SPEC "Dataset position": where the newest committed step left off.
+    // docs/reference.md: where the newest committed step left off.
     int64_t position = 0;
     if (!steps.empty()) {
       const StepRecord& newest = steps.back();

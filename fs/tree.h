@@ -1,4 +1,4 @@
-// The mount's tree model (SPEC section 3), free of FUSE: inodes, names,
+// The mount's tree model (docs/reference.md), free of FUSE: inodes, names,
 // attributes and the bytes of every file, built from a store for its current
 // config. The FUSE adapter only translates requests to calls on it, and unit
 // tests drive it directly.

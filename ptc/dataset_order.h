@@ -1,4 +1,4 @@
-// A DatasetOrder is the order in which a job consumes a dataset (SPEC
+// A DatasetOrder is the order in which a job consumes a dataset (docs/reference.md
 // section 3, "Dataset position"): global position p maps to a sample through
 // a seeded permutation per epoch, computed in O(1) memory (a keyed Feistel
 // network walked back into range, never an array of ids); global batch i

@@ -13,7 +13,7 @@ namespace {
 
 using nlohmann::json;
 
-// Megatron-Core GPT: SPEC section 4, verbatim.
+// Megatron-Core GPT, as docs/reference.md ("Layouts") shows it.
 constexpr absl::string_view kMegatronCoreGpt = R"json({
   "name": "megatron-core-gpt",
   "layer": {"pattern": "decoder\\.layers\\.(\\d+)\\.", "numbering": "local"},

@@ -1,5 +1,5 @@
 // A Layout holds the rules that say how each tensor of a model is partitioned
-// across tensor- and pipeline-parallel ranks (SPEC section 4): the first rule
+// across tensor- and pipeline-parallel ranks (docs/reference.md): the first rule
 // whose regex is found in a tensor's name applies.
 //
 //   ASSIGN_OR_RETURN(Layout layout, Layout::Load("megatron-core-gpt"));

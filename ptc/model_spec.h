@@ -1,4 +1,4 @@
-// A ModelSpec is a model described by its sizes (SPEC section 5), the
+// A ModelSpec is a model described by its sizes (docs/reference.md), the
 // `--model layers=2,hidden=64,heads=4,vocab=1000` of `synth` and `plan`. It
 // builds the global tensor list that a layout preset's naming implies.
 //

@@ -74,7 +74,7 @@ class ParallelConfig {
   std::vector<int64_t> stages_;
 };
 
-// Whose saved extra/ files (SPEC section 3) rank `rank` of `now` sees, of a
+// Whose saved extra/ files (docs/reference.md) rank `rank` of `now` sees, of a
 // step saved under `saved` by the ranks in `saved_ranks`: the saved rank
 // with the same coordinates, else the one with the same (tp_rank, pp_rank)
 // and dp_rank 0, else saved rank 0; among those, the first that saved any.

@@ -1,5 +1,5 @@
 // `scalai mount` and `scalai umount`: serve a store's state as files
-// (SPEC section 3), in the background unless --foreground.
+// (docs/reference.md), in the background unless --foreground.
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/mount.h>

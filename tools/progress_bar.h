@@ -1,5 +1,5 @@
 // A one-line progress bar for long commands, drawn on stdout only when it is
-// a terminal (SPEC: quiet otherwise).
+// a terminal (docs/reference.md: quiet otherwise).
 //
 //   ProgressBar bar("import");
 //   options.progress = bar.Callback();   ... bar.Finish();

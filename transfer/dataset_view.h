@@ -1,5 +1,5 @@
 // A DatasetView is a registered dataset seen by the data-parallel ranks of
-// one config, from one position (SPEC section 3, `data/`): what each rank
+// one config, from one position (docs/reference.md, `data/`): what each rank
 // consumes from there to the end of the last epoch, as sample ids
 // (`sample-ids.u64`, computed on read), as samples (`samples/K`) and, for
 // JSONL, as one stream (`samples.jsonl`). Nothing is stored per sample: a
@@ -25,8 +25,8 @@ namespace scalai {
 
 class DatasetView {
  public:
-  // `position` is the number of samples the job has consumed (SPEC "Dataset
-  // position"); it must fall on a global batch boundary. A position past
+  // `position` is the number of samples the job has consumed (see "Dataset
+  // position" in docs/reference.md); it must fall on a global batch boundary. A position past
   // the last epoch leaves every rank nothing to read.
   static absl::StatusOr<std::unique_ptr<DatasetView>> Create(
       std::shared_ptr<const DatasetSource> source, int dp, int64_t position);

@@ -1,4 +1,4 @@
-// A StepWriter takes in one step as workers save it through the mount (SPEC
+// A StepWriter takes in one step as workers save it through the mount (docs/reference.md
 // section 3, "Saving a checkpoint through the mount"). Each rank's
 // model.safetensors goes straight into a new blob of the store, with no
 // second copy; when its writer closes it, the header is checked against the

@@ -43,7 +43,7 @@ struct StepRecord {
   int groups = 0;
   int64_t bytes = 0;  // tensor bytes of all stored shards
   // `scalai.consumed_samples` of rank 0's shard, when it had one: where the
-  // job stands in its data (SPEC "Dataset position").
+  // job stands in its data (docs/reference.md).
   std::optional<int64_t> consumed_samples;
   // The extra/ files of each rank that saved some, by its rank under
   // `extra_config`, the config the step was saved under. Materializing the

@@ -104,7 +104,7 @@ class Topology:
 
 
 def stage_layers(layers, pp, pp_rank):
-    """SPEC's default split: as even as possible, earlier stages take the rest."""
+    """The reference's default split: as even as possible, earlier stages take the rest."""
     base, extra = divmod(layers, pp)
     sizes = [base + (1 if p < extra else 0) for p in range(pp)]
     return sum(sizes[:pp_rank]), sizes[pp_rank]
@@ -289,7 +289,7 @@ class Stage:
 # --- the job -------------------------------------------------------------------
 
 def samples_per_batch(batch, dp, dp_rank):
-    """SPEC's slice: the first B % dp ranks take one sample more."""
+    """The reference's slice: the first B % dp ranks take one sample more."""
     return batch // dp + (1 if dp_rank < batch % dp else 0)
 
 

@@ -4,7 +4,7 @@ test's own numpy writer is mounted under another config, and ls -lR, stat,
 find, du, cat, cmp, tar, numpy (a safetensors parser of its own, memmap) and
 torch.frombuffer read it; every rank's tensors must equal numpy slicing of
 the full tensors. Then 16 concurrent readers over all ranks, and the errors
-SPEC and POSIX prescribe. Exits 77 (skip) only where /dev/fuse is missing."""
+docs/reference.md and POSIX prescribe. Exits 77 (skip) only where /dev/fuse is missing."""
 import errno
 import json
 import os

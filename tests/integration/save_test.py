@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""Saving checkpoints through a real mount (SPEC section 3, "Saving a
+"""Saving checkpoints through a real mount (docs/reference.md, "Saving a
 checkpoint through the mount"). Eight processes, one per rank of
 tp=2,pp=2,dp=2, each write their model.safetensors with the test's own
 safetensors writer and fsync it; the step commits when the last dp_rank 0

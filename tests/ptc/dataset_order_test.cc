@@ -1,6 +1,6 @@
-// The dataset order of SPEC section 3 ("Dataset position"): every epoch a
+// The dataset order of docs/reference.md ("Dataset position"): every epoch a
 // bijection of the samples, chosen by the seed; batches split among
-// data-parallel ranks as SPEC says; and a job whose dp changes between
+// data-parallel ranks as docs/reference.md says; and a job whose dp changes between
 // batches consumes exactly the global batches of an unchanged job.
 #include "ptc/dataset_order.h"
 

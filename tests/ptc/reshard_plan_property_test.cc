@@ -1,5 +1,5 @@
 // Property tests of placements and reshard plans over random models, layouts
-// and configs. The oracle below re-derives every shard from SPEC section 4 by
+// and configs. The oracle below re-derives every shard from docs/reference.md by
 // itself (which dims split, blocks, vocab padding, stages, local names) and
 // cuts it from random full tensors; the plan under test must turn the shards
 // of config A into exactly the oracle's shards of config B.
@@ -27,7 +27,7 @@ namespace {
 
 using Bytes = std::vector<std::byte>;
 
-// How SPEC's presets partition a tensor, written independently of Layout.
+// How the presets (docs/reference.md) partition a tensor, written independently of Layout.
 struct OracleRule {
   int split = -1;
   int blocks = 1;

@@ -1,5 +1,5 @@
 """An independent reference for tests: a safetensors reader and writer of its
-own, SPEC section 4's megatron-core-gpt partitioning written with numpy, and a
+own, docs/reference.md's megatron-core-gpt partitioning written with numpy, and a
 random full model. Nothing here calls scalai."""
 import json
 import re
@@ -48,7 +48,7 @@ def write_safetensors(path, tensors, metadata=None):
 
 
 def rule(name, gated):
-    """SPEC section 4's megatron-core-gpt rules: (split, blocks, vocab, stage)."""
+    """The megatron-core-gpt rules of docs/reference.md: (split, blocks, vocab, stage)."""
     if name.endswith("word_embeddings.weight"):
         return 0, 1, True, "first"
     if name.endswith("output_layer.weight"):

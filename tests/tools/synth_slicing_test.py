@@ -2,7 +2,7 @@
 """scalai synth against slicing: writes a model unsharded (--full) and as
 per-rank shards under several configs, parses every file with this script's
 own safetensors reader, and checks each rank's tensors equal the slices that
-SPEC section 4 prescribes (splits, SwiGLU blocks, vocab padding, stages, local
+docs/reference.md prescribes (splits, SwiGLU blocks, vocab padding, stages, local
 layer numbers). Also checks `scalai plan --json` and the exit codes."""
 import json
 import os
@@ -48,7 +48,7 @@ def main():
         for config in configs:
             check_config(tmp, model + ",make_vocab_size_divisible_by=8", True, config, layers)
 
-        # plan --json: the SPEC fields, and totals that add up.
+        # plan --json: the documented fields, and totals that add up.
         p = run("plan", "--layout", "megatron-core-gpt", "--model", model, "--from",
                 "tp=2,pp=2,dp=2", "--to", "tp=1,pp=2,dp=4", "--json")
         plan = json.loads(p.stdout)
