@@ -117,6 +117,7 @@ void ReportDataLoss(Server& s, const absl::Status& status) {
 }
 
 void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  if (RefuseLongName(req, name)) return;
   Server& s = Get(req);
   if (SaveArea::Owns(parent)) {
     std::optional<SaveNode> n = s.saves->Lookup(parent, name);

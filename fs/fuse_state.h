@@ -7,10 +7,13 @@
 
 #define FUSE_USE_VERSION 314
 #include <fuse3/fuse_lowlevel.h>
+#include <limits.h>
 #include <sys/stat.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -169,6 +172,15 @@ struct Handle {
   absl::Status write_error;
   const std::optional<std::vector<DirEntry>> listing;
 };
+
+// A name longer than a Linux file system takes (NAME_MAX, 255 bytes) is
+// refused as ext4 refuses it, before it is looked up or made: such a file
+// could be saved but never exported. Replies ENAMETOOLONG and returns true.
+inline bool RefuseLongName(fuse_req_t req, const char* name) {
+  if (std::strlen(name) <= NAME_MAX) return false;
+  fuse_reply_err(req, ENAMETOOLONG);
+  return true;
+}
 
 inline Handle* HandleOf(fuse_file_info* fi) {
   return reinterpret_cast<Handle*>(fi->fh);

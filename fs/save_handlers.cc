@@ -134,6 +134,7 @@ absl::Status PublishStep(Server& s, int64_t step) {
 
 // In ckpt/, a step to save; in a step being saved, a rank's directory.
 void OnMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t) {
+  if (RefuseLongName(req, name)) return;
   Server& s = Get(req);
   absl::StatusOr<SaveNode> made = absl::PermissionDeniedError("read-only");
   if (SaveArea::Owns(parent)) {
@@ -169,6 +170,7 @@ void OnMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t) {
 
 void OnCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t,
               fuse_file_info* fi) {
+  if (RefuseLongName(req, name)) return;
   Server& s = Get(req);
   if (!SaveArea::Owns(parent)) {
     fuse_reply_err(req, EACCES);
