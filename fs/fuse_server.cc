@@ -369,8 +369,9 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   } else if (writing && n->view >= 0 && n->shard < 0 && (fi->flags & O_TRUNC)) {
     // A save of a committed step's shard (a replica that closes after the
     // commit, a repeated save): accepted only if identical.
-    absl::StatusOr<std::shared_ptr<ShardFile>> scratch =
-        ShardFile::Scratch(Get(req).store->blob_dir());
+    absl::StatusOr<std::shared_ptr<ShardFile>> scratch = ShardFile::Scratch(
+        Get(req).store->blob_dir(),
+        ShardFile::SizeLimit(n->size - static_cast<int64_t>(n->text.size())));
     if (!scratch.ok()) {
       fuse_reply_err(req, ToErrno(scratch.status()));
       return;
@@ -560,6 +561,8 @@ void Materialize(Server& s, const ParallelConfig& target,
       s.moved = m->bytes_written();
     } else {
       // The views keep reading from the old shards: correct, only slower.
+      // `moved` and `to_move` stay where the copy stopped.
+      s.materialization_failed = true;
       s.error = absl::StrCat("materialization of ", target.ToString(),
                              " failed: ", result.message());
     }
@@ -573,6 +576,7 @@ void StartMaterialization(Server& s) {
   auto cancel = std::make_shared<std::atomic<bool>>(false);
   s.cancel = cancel;
   s.materializing = true;
+  s.materialization_failed = false;
   s.moved = 0;
   s.to_move = 0;
   s.worker = std::thread([&s, cancel, target = s.current->config(),
@@ -604,7 +608,13 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
     if (!w.ok()) {
       if (h.write_error.ok()) h.write_error = w;
       h.dirty = true;
-      fuse_reply_err(req, ToErrno(w));
+      if (w.code() == absl::StatusCode::kOutOfRange) {
+        // Past the largest valid shard: refused before a byte is written.
+        std::lock_guard<std::mutex> lock(s.mu);
+        s.error = std::string(w.message());
+      }
+      fuse_reply_err(
+          req, w.code() == absl::StatusCode::kOutOfRange ? EFBIG : ToErrno(w));
       return;
     }
     h.dirty = true;
@@ -625,7 +635,12 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
     auto config = ParallelConfig::Parse(absl::string_view(data, size));
     if (!config.ok()) return config.status();
     std::lock_guard<std::mutex> lock(s.mu);
-    if (*config == s.current->config()) return absl::OkStatus();
+    if (*config == s.current->config()) {
+      // The same config again retries a failed materialization (space
+      // freed, a blob restored); otherwise it changes nothing.
+      if (s.materialization_failed) StartMaterialization(s);
+      return absl::OkStatus();
+    }
     if (s.current->generation() >= Tree::kMaxGeneration) {
       return absl::ResourceExhaustedError(
           "this mount has run out of generations: unmount and mount again");

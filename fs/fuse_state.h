@@ -56,6 +56,10 @@ struct Server {
   std::thread worker;
   std::shared_ptr<std::atomic<bool>> cancel;
   bool materializing = false;  // guarded by mu
+  // The last materialization failed (a damaged source, a full disk): the
+  // views read from the stored shards until the same config is written
+  // again, which retries it. Guarded by mu.
+  bool materialization_failed = false;
   // Bytes written and to write by the running (or last) materialization.
   std::atomic<int64_t> moved{0};
   std::atomic<int64_t> to_move{0};
@@ -97,12 +101,15 @@ struct Server {
     const int64_t done = moved.load();
     const int64_t total = to_move.load();
     double progress = 1.0;
-    if (materializing) {
+    if (materializing || materialization_failed) {
       progress = total > 0 ? static_cast<double>(done) / total : 0.0;
     }
+    const char* state = materializing            ? "materializing"
+                        : materialization_failed ? "failed"
+                                                 : "ready";
     nlohmann::json j = {{"generation", current->generation()},
                         {"config", current->config().ToString()},
-                        {"state", materializing ? "materializing" : "ready"},
+                        {"state", state},
                         {"progress", progress},
                         {"error", nullptr},
                         {"bytes_to_move", total},

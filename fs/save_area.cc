@@ -141,7 +141,8 @@ SaveArea::Create(uint64_t parent, absl::string_view name) {
   if (step.committed && p.extra) {
     return StepWriter::LateExtra(p.step, p.rank, extra_path);
   } else if (step.committed) {
-    ASSIGN_OR_RETURN(file, ShardFile::Scratch(store_.blob_dir()));
+    ASSIGN_OR_RETURN(file, ShardFile::Scratch(store_.blob_dir(),
+                                              step.writer->ShardLimit(p.rank)));
   } else if (p.extra) {
     ASSIGN_OR_RETURN(file, step.writer->OpenExtra(p.rank, extra_path));
   } else {

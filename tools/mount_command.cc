@@ -220,8 +220,8 @@ absl::Status RunReconfigure(const std::string& mountpoint,
       return absl::UnavailableError(
           absl::StrCat(mountpoint, "/status is unreadable"));
     }
-    if (j.contains("error") && j["error"].is_string()) {
-      return absl::InternalError(j["error"].get<std::string>());
+    if (j.value("state", "") == "failed") {
+      return absl::InternalError(j.value("error", std::string("failed")));
     }
   }
   std::printf("%s: %s (generation %s)", mountpoint.c_str(),

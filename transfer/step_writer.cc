@@ -24,16 +24,28 @@ std::string Label(int rank) {
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<ShardFile>> ShardFile::Scratch(
-    const std::string& dir) {
+    const std::string& dir, int64_t max_bytes) {
   std::shared_ptr<ShardFile> file(new ShardFile());
   file->path_ = dir + "/(scratch)";
+  file->label_ = "model.safetensors";
+  file->max_bytes_ = max_bytes;
   ASSIGN_OR_RETURN(file->fd_, OpenFile(dir, O_RDWR | O_TMPFILE, 0600));
   return file;
 }
 
 ShardFile::~ShardFile() = default;
 
+int64_t ShardFile::SizeLimit(int64_t tensor_bytes) {
+  return 8 + SafetensorsHeader::kMaxHeaderBytes + tensor_bytes;
+}
+
 absl::Status ShardFile::Write(const char* data, int64_t size, int64_t offset) {
+  if (offset < 0 || size > max_bytes_ || offset > max_bytes_ - size) {
+    return absl::OutOfRangeError(absl::StrCat(
+        label_, ": a write ending at byte ", offset + size,
+        " passes the largest valid size of this shard, ", max_bytes_,
+        " bytes (its tensors and the largest header)"));
+  }
   int64_t done = 0;
   while (done < size) {
     const ssize_t n =
@@ -173,16 +185,23 @@ absl::StatusOr<std::unique_ptr<StepWriter>> StepWriter::Create(
 }
 
 absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::Open(int rank) {
-  return NewFile(rank, Label(rank));
+  if (rank < 0 || rank >= config().world_size()) return NewFile(rank, "", 0);
+  return NewFile(rank, Label(rank), ShardLimit(rank));
+}
+
+int64_t StepWriter::ShardLimit(int rank) const {
+  return ShardFile::SizeLimit(
+      placement_->group_bytes(config().ShardGroup(rank)));
 }
 
 absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::OpenExtra(
     int rank, const std::string& path) {
-  return NewFile(rank, absl::StrFormat("rank-%05d/extra/%s", rank, path));
+  return NewFile(rank, absl::StrFormat("rank-%05d/extra/%s", rank, path),
+                 std::numeric_limits<int64_t>::max());
 }
 
 absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::NewFile(
-    int rank, absl::string_view label) {
+    int rank, absl::string_view label, int64_t max_bytes) {
   if (rank < 0 || rank >= config().world_size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " is not a rank of ", config().ToString()));
@@ -190,6 +209,8 @@ absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::NewFile(
   std::shared_ptr<ShardFile> file(new ShardFile());
   file->blob_ = Store::NewBlobName();
   file->path_ = store_.BlobPath(file->blob_);
+  file->label_ = std::string(label);
+  file->max_bytes_ = max_bytes;
   {
     // Recorded first, so that the file is removed whatever happens next.
     std::lock_guard<std::mutex> lock(mu_);

@@ -17,6 +17,7 @@
 #define SCALAI_TRANSFER_STEP_WRITER_H_
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -46,13 +47,18 @@ namespace scalai {
 class ShardFile {
  public:
   // A file with no name in `dir` (O_TMPFILE), gone when dropped: for bytes
-  // that are only compared, never kept.
+  // that are only compared, never kept. Writes past `max_bytes` fail.
   static absl::StatusOr<std::shared_ptr<ShardFile>> Scratch(
-      const std::string& dir);
+      const std::string& dir, int64_t max_bytes);
+  // The largest valid model.safetensors holding `tensor_bytes` of tensors:
+  // the 8-byte length, the largest header accepted, the data.
+  static int64_t SizeLimit(int64_t tensor_bytes);
   ~ShardFile();
   ShardFile(const ShardFile&) = delete;
   ShardFile& operator=(const ShardFile&) = delete;
 
+  // Fails with OutOfRange, writing nothing, for bytes past the file's limit
+  // (a shard far larger than its rank's could ever be valid).
   absl::Status Write(const char* data, int64_t size, int64_t offset);
   // Empties the file (open with O_TRUNC, or truncate to 0).
   absl::Status Truncate();
@@ -83,6 +89,8 @@ class ShardFile {
 
   std::string blob_;
   std::string path_;
+  std::string label_;  // how errors name it: rank-00000/model.safetensors
+  int64_t max_bytes_ = std::numeric_limits<int64_t>::max();
   UniqueFd fd_;
   mutable std::mutex mu_;
   int64_t size_ = 0;  // guarded by mu_
@@ -113,6 +121,8 @@ class StepWriter {
   // A new, empty model.safetensors for `rank`. A rank may write its file
   // again: the new one replaces the old when it closes valid.
   absl::StatusOr<std::shared_ptr<ShardFile>> Open(int rank);
+  // The largest valid model.safetensors of `rank` (ShardFile::SizeLimit).
+  int64_t ShardLimit(int rank) const;
   // Checks the rank's file as its writer closes it: a safetensors header
   // with exactly the rank's tensors (names, dtypes, local shapes) and data
   // to the end, equal to the bytes of its replicas. The error names the
@@ -153,7 +163,8 @@ class StepWriter {
   absl::StatusOr<ShardFile::Checked> Check(int rank, ShardFile& file);
   // A new file backed by a new blob of the step.
   absl::StatusOr<std::shared_ptr<ShardFile>> NewFile(int rank,
-                                                     absl::string_view label);
+                                                     absl::string_view label,
+                                                     int64_t max_bytes);
 
   Store& store_;
   const int64_t step_;

@@ -255,7 +255,7 @@ TEST_F(BlobReaderTest, SavedFileSumsAreOfTheBytesAsClosed) {
   const std::string final_bytes = RandomBytes(rng, 5 * kBlobChunkBytes + 77);
   // A placeholder header, the data streamed, the real header written last.
   {
-    auto f = *ShardFile::Scratch(store_->blob_dir());
+    auto f = *ShardFile::Scratch(store_->blob_dir(), 1 << 30);
     std::string placeholder(4096, '\0');
     ASSERT_TRUE(f->Write(placeholder.data(), placeholder.size(), 0).ok());
     ASSERT_TRUE(
@@ -267,7 +267,7 @@ TEST_F(BlobReaderTest, SavedFileSumsAreOfTheBytesAsClosed) {
   }
   // Random overlapping pieces, in any order, then a second pass.
   for (int round = 0; round < 3; ++round) {
-    auto f = *ShardFile::Scratch(store_->blob_dir());
+    auto f = *ShardFile::Scratch(store_->blob_dir(), 1 << 30);
     const std::string junk = RandomBytes(rng, final_bytes.size());
     for (const std::string* src : {&junk, &final_bytes}) {
       for (int i = 0; i < 40; ++i) {
@@ -284,13 +284,28 @@ TEST_F(BlobReaderTest, SavedFileSumsAreOfTheBytesAsClosed) {
   }
   // Written, truncated, written again.
   {
-    auto f = *ShardFile::Scratch(store_->blob_dir());
+    auto f = *ShardFile::Scratch(store_->blob_dir(), 1 << 30);
     std::string first = RandomBytes(rng, 3 * kBlobChunkBytes);
     ASSERT_TRUE(f->Write(first.data(), first.size(), 0).ok());
     ASSERT_TRUE(f->Truncate().ok());
     ASSERT_TRUE(f->Write(final_bytes.data(), final_bytes.size(), 0).ok());
     EXPECT_EQ(*f->ChunkSums(), SumsOf(final_bytes));
   }
+}
+
+// Issue 24: a write past the largest valid size fails at once and writes
+// nothing, so no blob grows sparse to a terabyte.
+TEST_F(BlobReaderTest, WritesPastTheLimitAreRefusedWritingNothing) {
+  auto f = *ShardFile::Scratch(store_->blob_dir(), 1000);
+  const std::string ten = "0123456789";
+  ASSERT_TRUE(f->Write(ten.data(), ten.size(), 990).ok());
+  absl::Status s = f->Write(ten.data(), ten.size(), int64_t{1} << 40);
+  EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(s.message(), HasSubstr("largest valid size"));
+  EXPECT_EQ(f->Write(ten.data(), ten.size(), 991).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(f->size(), 1000);
+  EXPECT_EQ(ShardFile::SizeLimit(5), 8 + (100 << 20) + 5);
 }
 
 }  // namespace
