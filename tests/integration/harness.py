@@ -15,6 +15,18 @@ def require_fuse():
         sys.exit(77)
 
 
+def small_tmpfs(path, size, mounts):
+    """A tmpfs of `size` bytes at `path` (made if missing), held by `mounts`,
+    for tests of a full disk; exits 77 where one cannot be mounted (not
+    root)."""
+    os.makedirs(path, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                      stderr=subprocess.DEVNULL).returncode != 0:
+        print("cannot mount a tmpfs (not root?): skipped")
+        sys.exit(77)
+    return mounts.add(path)
+
+
 def test_seed():
     """SCALAI_TEST_SEED if set, else a fresh seed; printed either way."""
     seed = int(os.environ.get("SCALAI_TEST_SEED", random.randrange(1 << 30)))

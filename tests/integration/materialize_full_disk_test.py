@@ -14,7 +14,6 @@ Exits 77 where /dev/fuse is missing or a tmpfs cannot be mounted."""
 import errno
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -22,8 +21,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse, test_seed  # noqa
-from reference import random_gpt, scalai, write_safetensors  # noqa
+from harness import Mounts, require_fuse, small_tmpfs, test_seed  # noqa
+from reference import random_gpt, safetensors_bytes, scalai, write_safetensors  # noqa
 from views import check_bytes, expected, status  # noqa
 
 BIN = sys.argv[1]
@@ -36,12 +35,6 @@ MIB = 1 << 20
 
 def run(*args, expect=0):
     return scalai(BIN, *args, expect=expect)
-
-
-def shard_bytes(tensors, step):
-    with tempfile.NamedTemporaryFile() as f:
-        write_safetensors(f.name, tensors, {"scalai.step": str(step)})
-        return open(f.name, "rb").read()
 
 
 def bounded_writes(store, mnt, full):
@@ -64,7 +57,7 @@ def bounded_writes(store, mnt, full):
         pass
     # A valid shard written back to front, piece by piece, commits.
     for r in (0, 1):
-        data = shard_bytes(want[r], 5)
+        data = safetensors_bytes(want[r], {"scalai.step": "5"})
         fd = os.open(f"{step}/rank-{r:05d}/model.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         cuts = list(range(0, len(data), 300_000)) + [len(data)]
         for a, b in reversed(list(zip(cuts, cuts[1:]))):
@@ -82,14 +75,8 @@ def main():
     step_bytes = sum(x.nbytes for x in full.values())
     with tempfile.TemporaryDirectory() as tmp, Mounts() as mounts:
         small, src, mnt = f"{tmp}/small", f"{tmp}/src", f"{tmp}/mnt"
-        os.makedirs(small)
         os.makedirs(mnt)
-        size = 6 * step_bytes + 16 * MIB
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", small],
-                          stderr=subprocess.DEVNULL).returncode != 0:
-            print("cannot mount a tmpfs (not root?): skipped")
-            sys.exit(77)
-        mounts.add(small)
+        small_tmpfs(small, 6 * step_bytes + 16 * MIB, mounts)
         store = f"{small}/store"
         for rank, tensors in expected(full, SAVED, LAYERS, DIVISOR).items():
             os.makedirs(f"{src}/rank-{rank:05d}")

@@ -8,7 +8,6 @@ cannot be mounted (not root)."""
 import errno
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -16,7 +15,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse, test_seed  # noqa
+from harness import Mounts, require_fuse, small_tmpfs, test_seed  # noqa
 from reference import random_gpt, scalai, write_safetensors  # noqa
 from views import check_bytes, expected, status  # noqa
 
@@ -60,16 +59,11 @@ def main():
 
 def body(tmp, full, step_bytes):
     small, src, mnt = f"{tmp}/small", f"{tmp}/src", f"{tmp}/mnt"
-    os.makedirs(small)
     os.makedirs(mnt)
     # Room for the catalog, two steps and a filler that leaves less
     # than a third step.
     size = 2 * step_bytes + 2 * step_bytes + 16 * MIB
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", small],
-                      stderr=subprocess.DEVNULL).returncode != 0:
-        print("cannot mount a tmpfs (not root?): skipped")
-        sys.exit(77)
-    MOUNTS.add(small)
+    small_tmpfs(small, size, MOUNTS)
     store = f"{small}/store"
     for rank, tensors in expected(full[0], CONFIG, LAYERS, DIVISOR).items():
         os.makedirs(f"{src}/rank-{rank:05d}")

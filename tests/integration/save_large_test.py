@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import Mounts, require_fuse, test_seed  # noqa
-from reference import random_gpt, scalai, write_safetensors  # noqa
+from reference import random_gpt, safetensors_bytes, scalai, write_safetensors  # noqa
 from views import check_bytes, expected, status  # noqa
 
 BIN = sys.argv[1]
@@ -26,12 +26,6 @@ LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, DIVISOR = 2, 512, 8, 8, 2048, 8000, 8
 SAVED = "tp=1,pp=1,dp=2"
 LAYOUT = ["--layout", "megatron-core-gpt", "--param", f"vocab_size={VOCAB}",
           "--param", "gated_linear_unit=1", "--param", f"make_vocab_size_divisible_by={DIVISOR}"]
-
-
-def shard_bytes(tensors, meta):
-    with tempfile.NamedTemporaryFile() as f:
-        write_safetensors(f.name, tensors, meta)
-        return open(f.name, "rb").read()
 
 
 def write_in_pieces(path, data, rng, restart_at=None):
@@ -72,7 +66,7 @@ def main():
 
 def save_and_read_back(store, mnt, full, full2, rng):
     want = expected(full2, SAVED, LAYERS, DIVISOR)
-    data = {r: shard_bytes(want[r], {"scalai.step": "200"}) for r in (0, 1)}
+    data = {r: safetensors_bytes(want[r], {"scalai.step": "200"}) for r in (0, 1)}
     assert len(data[0]) > 3 * (16 << 20), len(data[0])  # several windows
     step = f"{mnt}/ckpt/step-00000200"
     for r in (0, 1):

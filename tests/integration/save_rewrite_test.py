@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import Mounts, require_fuse, test_seed  # noqa
-from reference import random_gpt, read_safetensors, scalai, write_safetensors  # noqa
+from reference import random_gpt, read_safetensors, safetensors_bytes, scalai, write_safetensors  # noqa
 from views import expected, status  # noqa
 
 BIN = sys.argv[1]
@@ -31,12 +31,6 @@ LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, DIVISOR = 2, 256, 4, 4, 1024, 1000, 8
 SAVED = "tp=1,pp=1,dp=1"
 LAYOUT = ["--layout", "megatron-core-gpt", "--param", f"vocab_size={VOCAB}",
           "--param", "gated_linear_unit=1", "--param", f"make_vocab_size_divisible_by={DIVISOR}"]
-
-
-def shard_bytes(tensors, step):
-    with tempfile.NamedTemporaryFile() as f:
-        write_safetensors(f.name, tensors, {"scalai.step": str(step)})
-        return open(f.name, "rb").read()
 
 
 def header_bytes(data):
@@ -110,7 +104,7 @@ def main():
         for step, save in writers:
             scaled = {k: (v * (step / 100) + 1).astype(v.dtype) for k, v in full.items()}
             want[step] = expected(scaled, SAVED, LAYERS, DIVISOR)[0]
-            data = shard_bytes(want[step], step)
+            data = safetensors_bytes(want[step], {"scalai.step": str(step)})
             assert len(data) > 4 << 20, len(data)  # several chunks
             rank_dir = f"{mnt}/ckpt/step-{step:08d}/rank-00000"
             os.makedirs(rank_dir)
@@ -141,7 +135,7 @@ def main():
         with open(f"{step_dir}/extra/{'n' * 255}", "w") as f:
             f.write("255 bytes is a name\n")
         with open(f"{step_dir}/model.safetensors", "wb") as f:
-            f.write(shard_bytes(want[400], 500))
+            f.write(safetensors_bytes(want[400], {"scalai.step": "500"}))
         assert os.readlink(f"{mnt}/ckpt/latest") == "step-00000500", status(mnt)
 
         scalai(BIN, "umount", mnt)

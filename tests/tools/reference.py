@@ -32,6 +32,12 @@ def read_safetensors(path):
 
 
 def write_safetensors(path, tensors, metadata=None):
+    with open(path, "wb") as f:
+        f.write(safetensors_bytes(tensors, metadata))
+
+
+def safetensors_bytes(tensors, metadata=None):
+    """A safetensors file's bytes: the header, then the tensors in order."""
     header, offset, chunks = {}, 0, []
     if metadata:
         header["__metadata__"] = metadata
@@ -43,8 +49,7 @@ def write_safetensors(path, tensors, metadata=None):
         chunks.append(arr.tobytes())
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(chunks))
+    return struct.pack("<Q", len(text)) + text + b"".join(chunks)
 
 
 def rule(name, gated):
