@@ -184,8 +184,14 @@ absl::StatusOr<std::unique_ptr<StepWriter>> StepWriter::Create(
       store, step, std::make_shared<const Placement>(std::move(p))));
 }
 
+absl::Status StepWriter::CheckRank(int rank) const {
+  if (rank >= 0 && rank < config().world_size()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("rank ", rank, " is not a rank of ", config().ToString()));
+}
+
 absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::Open(int rank) {
-  if (rank < 0 || rank >= config().world_size()) return NewFile(rank, "", 0);
+  RETURN_IF_ERROR(CheckRank(rank));  // before ShardLimit looks it up
   return NewFile(rank, Label(rank), ShardLimit(rank));
 }
 
@@ -202,10 +208,7 @@ absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::OpenExtra(
 
 absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::NewFile(
     int rank, absl::string_view label, int64_t max_bytes) {
-  if (rank < 0 || rank >= config().world_size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", rank, " is not a rank of ", config().ToString()));
-  }
+  RETURN_IF_ERROR(CheckRank(rank));
   std::shared_ptr<ShardFile> file(new ShardFile());
   file->blob_ = Store::NewBlobName();
   file->path_ = store_.BlobPath(file->blob_);

@@ -161,6 +161,8 @@ class StepWriter {
   StepWriter(Store& store, int64_t step,
              std::shared_ptr<const Placement> placement);
   absl::StatusOr<ShardFile::Checked> Check(int rank, ShardFile& file);
+  // `rank` is a rank of the step's config.
+  absl::Status CheckRank(int rank) const;
   // A new file backed by a new blob of the step.
   absl::StatusOr<std::shared_ptr<ShardFile>> NewFile(int rank,
                                                      absl::string_view label,

@@ -100,8 +100,10 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir,
                                              : Catalog::Mode::kReadOnly));
   RETURN_IF_ERROR(store->Load());
   if (writer) {
-    RETURN_IF_ERROR(store->RemoveOrphans());
-    RETURN_IF_ERROR(store->AddChunkSums());
+    // One scan of the blob records serves both.
+    ASSIGN_OR_RETURN(auto blobs, store->Blobs());
+    RETURN_IF_ERROR(store->RemoveOrphans(blobs));
+    RETURN_IF_ERROR(store->AddChunkSums(std::move(blobs)));
   }
   return store;
 }
@@ -139,8 +141,8 @@ absl::Status Store::Load() {
   return absl::OkStatus();
 }
 
-absl::Status Store::RemoveOrphans() {
-  ASSIGN_OR_RETURN(auto blobs, Blobs());
+absl::Status Store::RemoveOrphans(
+    const std::map<std::string, BlobRecord>& blobs) {
   ASSIGN_OR_RETURN(std::vector<std::string> files, ListDir(blob_dir()));
   for (const std::string& name : files) {
     if (blobs.contains(name)) continue;
@@ -314,8 +316,7 @@ absl::StatusOr<BlobRecord> Store::Blob(const std::string& name) const {
   return DecodeBlob(name, *value);
 }
 
-absl::Status Store::AddChunkSums() {
-  ASSIGN_OR_RETURN(auto blobs, Blobs());
+absl::Status Store::AddChunkSums(std::map<std::string, BlobRecord> blobs) {
   Catalog::Batch batch;
   for (auto& [name, record] : blobs) {
     if (!record.whole_xxh3) continue;

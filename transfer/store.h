@@ -173,8 +173,8 @@ class Store {
  private:
   Store() = default;
   absl::Status Load();
-  absl::Status RemoveOrphans();
-  absl::Status AddChunkSums();
+  absl::Status RemoveOrphans(const std::map<std::string, BlobRecord>& blobs);
+  absl::Status AddChunkSums(std::map<std::string, BlobRecord> blobs);
 
   std::string dir_;
   UniqueFd lock_;

@@ -12,6 +12,7 @@
   `status` is "ready".
 Exits 77 where /dev/fuse is missing or a tmpfs cannot be mounted."""
 import errno
+import json
 import os
 import shutil
 import sys
@@ -117,8 +118,8 @@ def main():
         run("umount", mnt)
         mounts.discard(mnt)
         run("fsck", store)
-        info = run("inspect", store, "--json").stdout
-        assert f'"config": "{TARGET}"' in info.replace('":"', '": "'), info
+        info = json.loads(run("inspect", store, "--json").stdout)
+        assert info["config"] == TARGET and [s["config"] for s in info["steps"]] == [TARGET] * 2, info
     print("materialize_full_disk_test: ok")
 
 
