@@ -46,10 +46,10 @@ absl::Status CheckCancel(const std::atomic<bool>* cancel) {
   return absl::OkStatus();
 }
 
-// Appends to a new blob, hashing its chunks in blob order. Short pieces (rows of a
-// split along dim 1, zero padding) are gathered in a window and written
-// together; long ones go from the source mapping to the file, with no copy
-// in between.
+// Appends to a new blob, hashing its chunks in blob order. Short pieces
+// (rows of a split along dim 1, zero padding) are gathered in a window and
+// written together; long ones are read from their source blob a chunk at a
+// time (AppendFromBlob) and written from that buffer.
 class BlobWriter {
  public:
   BlobWriter(UniqueFd out, std::string path)
