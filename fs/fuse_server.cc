@@ -440,13 +440,16 @@ void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
 
 // `echo C > config` truncates first; the truncation itself changes nothing.
 void OnSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
-               fuse_file_info*) {
+               fuse_file_info* fi) {
   Server& s = Get(req);
   if (SaveArea::Owns(ino)) {
     // A file being saved may be emptied (O_TRUNC without atomic truncation);
-    // modes and times are accepted and not kept.
+    // modes and times are accepted and not kept. ftruncate empties the
+    // file its handle writes; truncate, the one the name has now.
     std::optional<SaveNode> n = s.saves->Get(ino);
-    std::shared_ptr<ShardFile> file = s.saves->FileOf(ino);
+    std::shared_ptr<ShardFile> file =
+        fi != nullptr && HandleOf(fi)->file != nullptr ? HandleOf(fi)->file
+                                                       : s.saves->FileOf(ino);
     if (!n) {
       fuse_reply_err(req, ENOENT);
       return;
@@ -457,7 +460,9 @@ void OnSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
         return;
       }
       if (absl::Status t = file->Truncate(); !t.ok()) {
-        fuse_reply_err(req, ToErrno(t));
+        fuse_reply_err(req, t.code() == absl::StatusCode::kFailedPrecondition
+                                ? EROFS  // a committed shard
+                                : ToErrno(t));
         return;
       }
       n->size = 0;
@@ -605,6 +610,11 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
   Handle& h = *HandleOf(fi);
   if (h.file != nullptr) {
     absl::Status w = h.file->Write(data, static_cast<int64_t>(size), offset);
+    if (w.code() == absl::StatusCode::kFailedPrecondition) {
+      // A committed shard: refused, and nothing changed for close to report.
+      fuse_reply_err(req, EROFS);
+      return;
+    }
     if (!w.ok()) {
       if (h.write_error.ok()) h.write_error = w;
       h.dirty = true;

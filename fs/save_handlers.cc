@@ -62,6 +62,12 @@ void OpenSaved(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi,
     fuse_reply_err(req, EISDIR);
     return;
   }
+  if (writing && n->committed && !(fi->flags & O_TRUNC)) {
+    // Committed bytes never change; only a whole new copy may be written,
+    // and it is compared with them (OnFlush).
+    fuse_reply_err(req, EROFS);
+    return;
+  }
   std::shared_ptr<ShardFile> file = s.saves->FileOf(ino);
   if (writing && (fi->flags & O_TRUNC)) {
     absl::StatusOr<std::shared_ptr<ShardFile>> fresh = s.saves->Rewrite(ino);

@@ -1,6 +1,13 @@
 #include "ptc/catalog.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <string>
+
 #include "absl/strings/str_cat.h"
+#include "ptc/status_macros.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
 #include "rocksdb/write_batch.h"
@@ -75,6 +82,12 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Open(const std::string& path,
   options.create_if_missing = create;
   options.create_missing_column_families = create;
   options.paranoid_checks = true;
+  // Commits are synced, so only a record cut short by a crash may be
+  // dropped from the log's end; any other damage fails the open rather
+  // than silently losing the records after it (the default recovery stops
+  // at the first bad record and opens what came before).
+  options.wal_recovery_mode =
+      rocksdb::WALRecoveryMode::kTolerateCorruptedTailRecords;
   // The catalog is small: keep RocksDB's footprint small too.
   options.max_open_files = 64;
   options.keep_log_file_num = 2;
@@ -92,9 +105,43 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Open(const std::string& path,
                                          &catalog->db_)
           : rocksdb::DB::Open(options, path, families, &handles, &catalog->db_);
   catalog->read_only_ = mode == Mode::kReadOnly;
+  if (s.IsCorruption()) {
+    return absl::DataLossError(
+        absl::StrCat("the catalog at ", path, " is damaged (", s.ToString(),
+                     "): nothing was changed; restore it from a backup"));
+  }
   if (!s.ok()) return FromRocks(s, absl::StrCat("open ", path));
   catalog->handles_ = std::move(handles);
+  catalog->path_ = path;
+  if (mode != Mode::kCreate) RETURN_IF_ERROR(catalog->CheckSequence());
   return catalog;
+}
+
+void Catalog::MarkSequence() const {
+  // Written whole and renamed over the old mark, not synced: a mark lost
+  // to a power cut is an older number, which only checks less.
+  const std::string mark = SequenceMarkPath();
+  const std::string tmp = mark + ".tmp";
+  const std::string text = std::to_string(db_->GetLatestSequenceNumber());
+  const int fd =
+      open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return;
+  const bool written =
+      write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  close(fd);
+  if (!written || rename(tmp.c_str(), mark.c_str()) != 0) unlink(tmp.c_str());
+}
+
+absl::Status Catalog::CheckSequence() const {
+  std::ifstream in(SequenceMarkPath());
+  uint64_t reached = 0;
+  if (!(in >> reached)) return absl::OkStatus();  // none yet (older stores)
+  const uint64_t latest = db_->GetLatestSequenceNumber();
+  if (latest >= reached) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat(
+      "the catalog at ", path_, " has lost commits (it ends at sequence ",
+      latest, ", commits had reached ", reached,
+      "): nothing was changed; restore it from a backup"));
 }
 
 Catalog::~Catalog() {
@@ -145,7 +192,9 @@ absl::Status Catalog::Commit(const Batch& batch) {
   }
   rocksdb::WriteOptions options;
   options.sync = true;
-  return FromRocks(db_->Write(options, &wb), "commit");
+  RETURN_IF_ERROR(FromRocks(db_->Write(options, &wb), "commit"));
+  MarkSequence();
+  return absl::OkStatus();
 }
 
 static_assert(sizeof(kTableNames) / sizeof(kTableNames[0]) == kNumTables);

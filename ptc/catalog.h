@@ -79,6 +79,14 @@ class Catalog {
 
  private:
   Catalog() = default;
+  // `path`.sequence holds the newest sequence number a commit reached, so
+  // that an open can tell a catalog that lost commits (damage RocksDB took
+  // for a log cut short by a crash) from one that never had them.
+  std::string SequenceMarkPath() const { return path_ + ".sequence"; }
+  void MarkSequence() const;
+  absl::Status CheckSequence() const;
+
+  std::string path_;
   rocksdb::DB* db_ = nullptr;
   bool read_only_ = false;
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;  // indexed by Table

@@ -14,8 +14,10 @@
 namespace scalai {
 namespace {
 
-absl::Status RunFsck(const std::string& dir) {
-  ASSIGN_OR_RETURN(auto store, Store::Open(dir));
+absl::Status RunFsck(const std::string& dir, bool repair) {
+  ASSIGN_OR_RETURN(auto store,
+                   Store::Open(dir, repair ? Store::Access::kRepair
+                                           : Store::Access::kReadWrite));
   ProgressBar bar("fsck");
   auto problems = CheckStore(*store, bar.Callback());
   bar.Finish();
@@ -39,10 +41,14 @@ absl::Status RunFsck(const std::string& dir) {
 
 Command AddFsckCommand(CLI::App& root) {
   auto dir = std::make_shared<std::string>();
+  auto repair = std::make_shared<bool>(false);
   CLI::App* app = root.add_subcommand(
       "fsck", "Verify every blob checksum and catalog record");
   app->add_option("STORE", *dir, "store directory")->required();
-  return {app, [dir] { return RunFsck(*dir); }};
+  app->add_flag("--repair", *repair,
+                "remove blob files no record names even when the catalog "
+                "names none (left by an interrupted first import)");
+  return {app, [dir, repair] { return RunFsck(*dir, *repair); }};
 }
 
 }  // namespace scalai

@@ -52,8 +52,9 @@ Command AddImportCommand(CLI::App& root) {
   app->add_option("--config", o->config,
                   "the config the checkpoint was saved under")
       ->required();
-  o->step_option = app->add_option(
-      "--step", o->step, "step number (default: from metadata, or 0)");
+  o->step_option = app->add_option("--step", o->step,
+                                   "step number (default: from metadata, or 0)")
+                       ->check(CLI::NonNegativeNumber);
   return {app, [o] { return RunImport(*o); }};
 }
 

@@ -1,6 +1,7 @@
 // `scalai mount` and `scalai umount`: serve a store's state as files
 // (docs/reference.md), in the background unless --foreground.
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -80,9 +81,49 @@ absl::Status Serve(const MountCliOptions& o,
   return ServeMount(*store, std::move(tree), mount);
 }
 
+// `fusermount3 -u MOUNTPOINT`, exec'd with an argument vector: a path is
+// never read by a shell, whatever characters it holds.
+absl::Status RunFusermountUnmount(const std::string& mountpoint) {
+  const pid_t pid = fork();
+  if (pid < 0) return absl::ErrnoToStatus(errno, "fork");
+  if (pid == 0) {
+    const char* argv[] = {"fusermount3", "-u", "--", mountpoint.c_str(),
+                          nullptr};
+    execvp(argv[0], const_cast<char* const*>(argv));
+    _exit(127);
+  }
+  int wstatus = 0;
+  while (waitpid(pid, &wstatus, 0) < 0) {
+    if (errno != EINTR) return absl::ErrnoToStatus(errno, "waitpid");
+  }
+  if (!WIFEXITED(wstatus) || WEXITSTATUS(wstatus) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot unmount ", mountpoint,
+                     WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 127
+                         ? ": fusermount3 not found"
+                         : ": fusermount3 failed"));
+  }
+  return absl::OkStatus();
+}
+
+// The kernel mounts FUSE on a regular file as well; a scalai mount is a
+// tree, so anything but a directory is refused before the store is opened.
+absl::Status RequireDirectory(const std::string& path) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("mountpoint ", path));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("mountpoint ", path, " is not a directory"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status RunMount(MountCliOptions o) {
   ASSIGN_OR_RETURN(o.store, Absolute(o.store));
   ASSIGN_OR_RETURN(o.mountpoint, Absolute(o.mountpoint));
+  RETURN_IF_ERROR(RequireDirectory(o.mountpoint));
   if (o.foreground) {
     return Serve(o, [&] {
       std::printf("mounted %s at %s\n", o.store.c_str(), o.mountpoint.c_str());
@@ -128,11 +169,18 @@ absl::Status RunMount(MountCliOptions o) {
     return absl::FailedPreconditionError(
         reply.empty() ? "the mount process died" : reply);
   }
-  // Return once the mount answers.
+  // Return once the mount answers; one that does not is taken down again,
+  // so that a failed mount never holds the store.
   struct stat st;
   if (stat((o.mountpoint + "/config").c_str(), &st) != 0) {
+    const int err = errno;
+    if (umount2(o.mountpoint.c_str(), MNT_DETACH) != 0) {
+      (void)RunFusermountUnmount(o.mountpoint);
+    }
+    kill(pid, SIGTERM);
+    waitpid(pid, nullptr, 0);
     return absl::ErrnoToStatus(
-        errno, absl::StrCat("the mount at ", o.mountpoint, " does not answer"));
+        err, absl::StrCat("the mount at ", o.mountpoint, " does not answer"));
   }
   std::printf("mounted %s at %s\n", o.store.c_str(), o.mountpoint.c_str());
   return absl::OkStatus();
@@ -154,11 +202,7 @@ absl::Status RunUmount(const std::string& mountpoint_arg) {
   const std::string store = j["store"].get<std::string>();
   if (umount2(mountpoint.c_str(), 0) != 0) {
     // Not root: the setuid helper unmounts FUSE mounts of their owner.
-    std::string command = absl::StrCat("fusermount3 -u '", mountpoint, "'");
-    if (std::system(command.c_str()) != 0) {
-      return absl::ErrnoToStatus(errno,
-                                 absl::StrCat("cannot unmount ", mountpoint));
-    }
+    RETURN_IF_ERROR(RunFusermountUnmount(mountpoint));
   }
   // Wait for the server to finish and let go of the store.
   int fd = open((store + "/LOCK").c_str(), O_RDWR | O_CLOEXEC);

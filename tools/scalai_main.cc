@@ -1,5 +1,7 @@
 // The `scalai` command line: parses, runs one subcommand, and maps the result
 // to exit codes (0 success, 1 user error with one line on stderr, 2 usage).
+#include <sys/resource.h>
+
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -8,6 +10,13 @@
 #include "tools/command.h"
 
 int main(int argc, char** argv) {
+  // A mount holds blob mappings and serves many open files at once; the
+  // soft limit on descriptors (often 1024) is raised to the hard one.
+  if (rlimit limit; getrlimit(RLIMIT_NOFILE, &limit) == 0 &&
+                    limit.rlim_cur < limit.rlim_max) {
+    limit.rlim_cur = limit.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &limit);
+  }
   CLI::App root(
       "Scalai: a job's training state as a parallelizable tensor collection, "
       "mounted as files that re-slice themselves when tp, pp or dp change.",

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "ptc/dataset_order.h"
+#include "ptc/excerpt.h"
 #include "ptc/megatron_index.h"
 #include "ptc/status_macros.h"
 #include "transfer/dataset_source.h"
@@ -142,8 +143,8 @@ absl::StatusOr<DatasetRecord> AddDataset(Store& store,
                                          const DatasetImportOptions& o) {
   if (!ValidName(o.name)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "dataset name '", o.name, "': use letters, digits, '_', '-' and '.',",
-        " not starting with '.'"));
+        "dataset name '", Excerpt(o.name),
+        "': use letters, digits, '_', '-' and '.',", " not starting with '.'"));
   }
   ASSIGN_OR_RETURN(auto existing, store.Datasets());
   if (existing.contains(o.name)) {
@@ -241,6 +242,16 @@ absl::StatusOr<DatasetRecord> AddDataset(Store& store,
           "dataset ", o.name, ": ", s.message(), " (the store's config is ",
           store.current_config()->ToString(), ")"));
     }
+  }
+  // The views start at the newest step's position, which must fall on a
+  // global batch of this dataset too.
+  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store.Steps());
+  if (!steps.empty() && steps.back().consumed_samples &&
+      *steps.back().consumed_samples % record.global_batch != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "dataset ", o.name, ": the newest step ", steps.back().step,
+        " consumed ", *steps.back().consumed_samples,
+        " samples, not a multiple of the global batch ", record.global_batch));
   }
   Catalog::Batch batch;
   batch.Put(Table::kDatasets, o.name, Store::EncodeDataset(record));

@@ -207,13 +207,20 @@ absl::StatusOr<Model> InferModel(
 }
 
 // Every regular file below `dir`, as paths relative to it, in name order.
+// A symbolic link is refused, not followed: the files are served to every
+// reader of the mount, and a link could name any file of the importing
+// user's (/etc/shadow, as root).
 absl::Status ListFiles(const std::string& dir, const std::string& prefix,
                        std::vector<std::string>& out) {
   ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(dir));
   for (const std::string& name : names) {
     const std::string path = dir + "/" + name;
     struct stat st;
-    if (stat(path.c_str(), &st) != 0) return ErrnoError(errno, "stat", path);
+    if (lstat(path.c_str(), &st) != 0) return ErrnoError(errno, "stat", path);
+    if (S_ISLNK(st.st_mode)) {
+      return UserError(path,
+                       "is a symbolic link (extra/ takes regular files only)");
+    }
     if (S_ISDIR(st.st_mode)) {
       RETURN_IF_ERROR(ListFiles(path, prefix + name + "/", out));
     } else if (S_ISREG(st.st_mode)) {
@@ -295,6 +302,10 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
   }
   for (const auto& [rank, name] : rank_dirs) {
     const std::string extra = o.src + "/" + name + "/extra";
+    if (struct stat st; lstat(extra.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+      return UserError(extra,
+                       "is a symbolic link (extra/ must be a directory)");
+    }
     if (!IsDir(extra)) continue;
     std::vector<std::string> paths;
     RETURN_IF_ERROR(ListFiles(extra, "", paths));
@@ -500,6 +511,15 @@ absl::StatusOr<ImportResult> ImportCheckpoint(Store& store,
     if (!placement.ok()) return UserError(o.src, placement.status().message());
   }
   const int64_t step = o.step.value_or(plan.step_in_metadata.value_or(0));
+  if (step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("step ", step, ": steps are numbered from 0"));
+  }
+  if (plan.consumed_samples) {
+    if (absl::Status s = store.CheckPosition(*plan.consumed_samples); !s.ok()) {
+      return UserError(plan.files[0].label, s.message());
+    }
+  }
   ASSIGN_OR_RETURN(std::optional<StepRecord> existing, store.FindStep(step));
   if (existing) {
     return absl::AlreadyExistsError(

@@ -7,9 +7,11 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "ptc/excerpt.h"
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
 #include "transfer/shard_check.h"
@@ -46,6 +48,8 @@ absl::Status ShardFile::Write(const char* data, int64_t size, int64_t offset) {
         " passes the largest valid size of this shard, ", max_bytes_,
         " bytes (its tensors and the largest header)"));
   }
+  RETURN_IF_ERROR(BeginChange());
+  absl::Cleanup end = [this] { EndChange(); };
   int64_t done = 0;
   while (done < size) {
     const ssize_t n =
@@ -79,7 +83,37 @@ absl::Status ShardFile::Write(const char* data, int64_t size, int64_t offset) {
   return streamed;
 }
 
+absl::Status ShardFile::BeginChange() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sealed_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(label_,
+                     " belongs to a committed step: its bytes never "
+                     "change"));
+  }
+  ++changing_;
+  return absl::OkStatus();
+}
+
+void ShardFile::EndChange() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--changing_ == 0) unchanging_.notify_all();
+}
+
+void ShardFile::Seal() {
+  std::unique_lock<std::mutex> lock(mu_);
+  sealed_ = true;
+  unchanging_.wait(lock, [this] { return changing_ == 0; });
+}
+
+void ShardFile::Unseal() {
+  std::lock_guard<std::mutex> lock(mu_);
+  sealed_ = false;
+}
+
 absl::Status ShardFile::Truncate() {
+  RETURN_IF_ERROR(BeginChange());
+  absl::Cleanup end = [this] { EndChange(); };
   if (ftruncate(fd_.get(), 0) != 0) return ErrnoError(errno, "truncate", path_);
   std::lock_guard<std::mutex> lock(mu_);
   size_ = 0;
@@ -266,9 +300,18 @@ absl::StatusOr<ShardFile::Checked> StepWriter::Check(int rank,
   checked.data_start = header->data_start();
   checked.data_bytes = header->data_bytes();
   auto it = header->metadata().find("scalai.consumed_samples");
-  int64_t n = 0;
-  if (it != header->metadata().end() && absl::SimpleAtoi(it->second, &n) &&
-      n >= 0) {
+  if (it != header->metadata().end()) {
+    // The position the data views start from once this step is the newest:
+    // one no dataset can start from would make the store unmountable.
+    int64_t n = 0;
+    if (!absl::SimpleAtoi(it->second, &n) || n < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(label, ": scalai.consumed_samples \"",
+                       Excerpt(it->second), "\" is not a count of samples"));
+    }
+    if (absl::Status s = store_.CheckPosition(n); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(label, ": ", s.message()));
+    }
     checked.consumed_samples = n;
   }
   return checked;
@@ -378,6 +421,19 @@ absl::Status StepWriter::Commit() {
         absl::StrCat("step ", step_, " is already committed"));
   }
   const ParallelConfig& cfg = config();
+  // Sealed before their sums are taken, so that what is recorded is what
+  // stays; unsealed again if the commit fails.
+  std::vector<ShardFile*> sealed;
+  absl::Cleanup unseal = [&sealed] {
+    for (ShardFile* f : sealed) f->Unseal();
+  };
+  for (int r = 0; r < cfg.world_size(); ++r) {
+    if (cfg.Coords(r).dp_rank == 0 && valid_[r] != nullptr) {
+      sealed.push_back(valid_[r].get());
+    }
+  }
+  for (const auto& [key, file] : extra_) sealed.push_back(file.get());
+  for (ShardFile* f : sealed) f->Seal();
   StepRecord record;
   record.step = step_;
   record.config = cfg.ToString();
@@ -418,6 +474,7 @@ absl::Status StepWriter::Commit() {
   batch.Put(Table::kSteps, StepKey(step_), Store::EncodeStep(record));
   RETURN_IF_ERROR(store_.catalog().Commit(batch));
   committed_ = true;
+  std::move(unseal).Cancel();
   // Replicas and earlier attempts are not part of the step.
   for (const std::string& blob : blobs_) {
     if (!used.contains(blob)) unlink(store_.BlobPath(blob).c_str());

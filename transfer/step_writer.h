@@ -16,6 +16,7 @@
 #ifndef SCALAI_TRANSFER_STEP_WRITER_H_
 #define SCALAI_TRANSFER_STEP_WRITER_H_
 
+#include <condition_variable>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -72,6 +73,12 @@ class ShardFile {
   const std::string& blob() const { return blob_; }
   // The chunk sums of the file as it is now (blob_checksum.h).
   absl::StatusOr<std::vector<uint64_t>> ChunkSums();
+  // From now on Write and Truncate fail with FailedPrecondition: the bytes
+  // are being committed, and a committed blob never changes, whichever
+  // handle still names it. Waits for writes already under way to end.
+  void Seal();
+  // The commit failed: the file may be written again.
+  void Unseal();
 
  private:
   friend class StepWriter;
@@ -105,6 +112,14 @@ class ShardFile {
   // A failed writeback seen while streaming, which fsync can no longer
   // report; guarded by mu_.
   absl::Status write_error_;
+  // Seal(): no write may start; guarded by mu_.
+  bool sealed_ = false;
+  // Writes and truncations under way, which Seal waits out; guarded by mu_.
+  int changing_ = 0;
+  std::condition_variable unchanging_;
+  // Counts a change under way, or refuses it once sealed.
+  absl::Status BeginChange();
+  void EndChange();
 };
 
 class StepWriter {

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
+#include "ptc/excerpt.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
 #include "xxhash.h"
@@ -92,7 +93,7 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir,
   }
   std::unique_ptr<Store> store(new Store());
   store->dir_ = dir;
-  const bool writer = access == Access::kReadWrite;
+  const bool writer = access != Access::kReadOnly;
   ASSIGN_OR_RETURN(store->lock_, Lock(dir, writer));
   ASSIGN_OR_RETURN(
       store->catalog_,
@@ -102,7 +103,8 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir,
   if (writer) {
     // One scan of the blob records serves both.
     ASSIGN_OR_RETURN(auto blobs, store->Blobs());
-    RETURN_IF_ERROR(store->RemoveOrphans(blobs));
+    RETURN_IF_ERROR(
+        store->RemoveOrphans(blobs, /*even_all=*/access == Access::kRepair));
     RETURN_IF_ERROR(store->AddChunkSums(std::move(blobs)));
   }
   return store;
@@ -142,8 +144,19 @@ absl::Status Store::Load() {
 }
 
 absl::Status Store::RemoveOrphans(
-    const std::map<std::string, BlobRecord>& blobs) {
+    const std::map<std::string, BlobRecord>& blobs, bool even_all) {
   ASSIGN_OR_RETURN(std::vector<std::string> files, ListDir(blob_dir()));
+  if (blobs.empty() && !files.empty() && !even_all) {
+    // Every blob would go. A catalog damaged past what RocksDB detects
+    // (a log cut at a record's length) opens like this, so nothing is
+    // removed on its word.
+    return absl::FailedPreconditionError(absl::StrCat(
+        blob_dir(), " holds ", files.size(),
+        " blob files but the catalog names none: the catalog may be damaged, "
+        "so nothing was removed (if they are left by an interrupted first "
+        "import, scalai fsck --repair ",
+        dir_, " removes them)"));
+  }
   for (const std::string& name : files) {
     if (blobs.contains(name)) continue;
     if (unlink(BlobPath(name).c_str()) != 0 && errno != ENOENT) {
@@ -166,6 +179,19 @@ absl::Status Store::RemoveOrphans(
       return ErrnoError(errno, "remove orphaned dataset index", path);
     }
     ++orphans_removed_;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::CheckPosition(int64_t consumed_samples) const {
+  ASSIGN_OR_RETURN(auto datasets, Datasets());
+  for (const auto& [name, d] : datasets) {
+    if (d.global_batch > 0 && consumed_samples % d.global_batch != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("consumed samples ", consumed_samples,
+                       " is not a multiple of the global batch ",
+                       d.global_batch, " of dataset ", Excerpt(name)));
+    }
   }
   return absl::OkStatus();
 }

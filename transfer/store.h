@@ -116,8 +116,12 @@ class Store {
   static absl::StatusOr<std::unique_ptr<Store>> Create(const std::string& dir,
                                                        const Layout& layout);
   // kReadOnly shares the store with other readers and leaves orphans alone;
-  // kReadWrite holds it alone and sweeps orphaned blobs first.
-  enum class Access { kReadWrite, kReadOnly };
+  // kReadWrite holds it alone and sweeps orphaned blobs first, unless the
+  // catalog names no blob at all while blob files exist: a damaged catalog
+  // looks like that, and then nothing is removed and the open fails.
+  // kRepair (fsck --repair) sweeps them even then: the user has said they
+  // are leftovers (of an interrupted first import).
+  enum class Access { kReadWrite, kReadOnly, kRepair };
   static absl::StatusOr<std::unique_ptr<Store>> Open(
       const std::string& dir, Access access = Access::kReadWrite);
 
@@ -159,6 +163,9 @@ class Store {
   absl::Status DeleteStep(int64_t step);
   // Every registered dataset, by name.
   absl::StatusOr<std::map<std::string, DatasetRecord>> Datasets() const;
+  // Whether every dataset's views can start at `consumed_samples`: the
+  // position of a step must fall on a global batch of each.
+  absl::Status CheckPosition(int64_t consumed_samples) const;
   // The placement that a step's shards are stored under.
   absl::StatusOr<std::shared_ptr<const Placement>> StepPlacement(
       const StepRecord& step) const;
@@ -173,7 +180,8 @@ class Store {
  private:
   Store() = default;
   absl::Status Load();
-  absl::Status RemoveOrphans(const std::map<std::string, BlobRecord>& blobs);
+  absl::Status RemoveOrphans(const std::map<std::string, BlobRecord>& blobs,
+                             bool even_all);
   absl::Status AddChunkSums(std::map<std::string, BlobRecord> blobs);
 
   std::string dir_;
