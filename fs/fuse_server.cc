@@ -587,7 +587,17 @@ void StartMaterialization(Server& s) {
   s.worker = std::thread([&s, cancel, target = s.current->config(),
                           previous = std::move(s.worker)]() mutable {
     if (previous.joinable()) previous.join();
-    Materialize(s, target, *cancel);
+    try {
+      Materialize(s, target, *cancel);
+    } catch (const std::exception& e) {
+      // As in Guarded: a bug must not take the mount down.
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (!cancel->load()) {
+        s.materializing = false;
+        s.materialization_failed = true;
+        s.error = absl::StrCat("materialization failed: ", e.what());
+      }
+    }
   });
 }
 
@@ -680,6 +690,29 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
   ReapOldTrees(s);
 }
 
+// No exception may leave a FUSE handler: it would end the process, and
+// every worker's mount with it. Nothing in the handlers is meant to throw
+// (JSON is dumped with replacement, allocations are bounded); if one does
+// all the same, its request fails with EIO and `status` says why. Handlers
+// reply last, so a throw comes before the reply.
+template <auto Handler>
+struct Guarded;
+template <typename... Args, void (*Handler)(fuse_req_t, Args...)>
+struct Guarded<Handler> {
+  static void Run(fuse_req_t req, Args... args) {
+    try {
+      Handler(req, args...);
+    } catch (const std::exception& e) {
+      Server& s = Get(req);
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        s.error = absl::StrCat("internal error, request refused: ", e.what());
+      }
+      fuse_reply_err(req, EIO);
+    }
+  }
+};
+
 absl::Status Serve(Store& store, std::unique_ptr<Tree> tree,
                    const MountOptions& options) {
   Server server;
@@ -693,26 +726,26 @@ absl::Status Serve(Store& store, std::unique_ptr<Tree> tree,
   server.trees[server.current->generation()] = server.current;
   fuse_lowlevel_ops ops = {};
   ops.init = OnInit;
-  ops.lookup = OnLookup;
+  ops.lookup = Guarded<OnLookup>::Run;
   ops.forget = OnForget;
   ops.forget_multi = OnForgetMulti;
-  ops.getattr = OnGetattr;
-  ops.setattr = OnSetattr;
-  ops.readlink = OnReadlink;
-  ops.opendir = OnOpendir;
-  ops.readdir = OnReaddir;
-  ops.readdirplus = OnReaddirplus;
-  ops.releasedir = OnReleasedir;
-  ops.open = OnOpen;
-  ops.read = OnRead;
-  ops.write = OnWrite;
-  ops.release = OnRelease;
-  ops.mkdir = OnMkdir;
-  ops.create = OnCreate;
-  ops.flush = OnFlush;
-  ops.fsync = OnFsync;
-  ops.unlink = OnUnlink;
-  ops.rmdir = OnRmdir;
+  ops.getattr = Guarded<OnGetattr>::Run;
+  ops.setattr = Guarded<OnSetattr>::Run;
+  ops.readlink = Guarded<OnReadlink>::Run;
+  ops.opendir = Guarded<OnOpendir>::Run;
+  ops.readdir = Guarded<OnReaddir>::Run;
+  ops.readdirplus = Guarded<OnReaddirplus>::Run;
+  ops.releasedir = Guarded<OnReleasedir>::Run;
+  ops.open = Guarded<OnOpen>::Run;
+  ops.read = Guarded<OnRead>::Run;
+  ops.write = Guarded<OnWrite>::Run;
+  ops.release = Guarded<OnRelease>::Run;
+  ops.mkdir = Guarded<OnMkdir>::Run;
+  ops.create = Guarded<OnCreate>::Run;
+  ops.flush = Guarded<OnFlush>::Run;
+  ops.fsync = Guarded<OnFsync>::Run;
+  ops.unlink = Guarded<OnUnlink>::Run;
+  ops.rmdir = Guarded<OnRmdir>::Run;
 
   std::string mount_opts =
       absl::StrCat("fsname=scalai,subtype=scalai,max_read=", kMaxIo);

@@ -5,7 +5,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "ptc/excerpt.h"
 #include "ptc/status_macros.h"
+#include "ptc/utf8.h"
 
 namespace scalai {
 namespace {
@@ -25,6 +27,13 @@ std::optional<int64_t> Numbered(absl::string_view name,
   if (ec != std::errc() || end != name.data() + name.size() || n < 0)
     return std::nullopt;
   return n;
+}
+
+// Names saved go into the catalog's JSON records (extra/ paths).
+absl::Status CheckName(absl::string_view name) {
+  if (IsUtf8(name)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "\"", Excerpt(name), "\": names saved under ckpt/ must be UTF-8"));
 }
 
 }  // namespace
@@ -58,7 +67,7 @@ absl::StatusOr<SaveNode> SaveArea::MkdirStep(absl::string_view name,
   std::optional<int64_t> step = Numbered(name, "step-", 8);
   if (!step) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "ckpt/", name, ": a step directory is named step-NNNNNNNN"));
+        "ckpt/", Excerpt(name), ": a step directory is named step-NNNNNNNN"));
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (steps_.contains(*step)) {
@@ -79,12 +88,13 @@ absl::StatusOr<SaveNode> SaveArea::MkdirStep(absl::string_view name,
 
 absl::StatusOr<SaveNode> SaveArea::Mkdir(uint64_t parent,
                                          absl::string_view name) {
+  RETURN_IF_ERROR(CheckName(name));
   std::lock_guard<std::mutex> lock(mu_);
   auto it = nodes_.find(parent);
   if (it == nodes_.end()) return absl::NotFoundError("no such directory");
   const SaveNode& p = it->second.node;
   if (it->second.children.contains(std::string(name)))
-    return absl::AlreadyExistsError(absl::StrCat(name, " exists"));
+    return absl::AlreadyExistsError(absl::StrCat(Excerpt(name), " exists"));
   const Step& step = steps_.at(p.step);
   if (step.committed) {
     return absl::AlreadyExistsError(
@@ -94,7 +104,7 @@ absl::StatusOr<SaveNode> SaveArea::Mkdir(uint64_t parent,
     if (!p.extra && name != kExtraDir) {
       return absl::PermissionDeniedError(absl::StrCat(
           "a rank directory holds model.safetensors and extra/ only, not ",
-          name));
+          Excerpt(name)));
     }
     SaveNode dir = p;
     dir.parent = parent;
@@ -108,7 +118,7 @@ absl::StatusOr<SaveNode> SaveArea::Mkdir(uint64_t parent,
   const ParallelConfig& config = step.writer->config();
   if (!rank || *rank >= config.world_size()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("step ", p.step, ": ", name, " is not a rank of ",
+        absl::StrCat("step ", p.step, ": ", Excerpt(name), " is not a rank of ",
                      config.ToString(), " (rank-00000 to rank-",
                      absl::StrFormat("%05d", config.world_size() - 1), ")"));
   }
@@ -125,6 +135,7 @@ absl::StatusOr<SaveNode> SaveArea::Mkdir(uint64_t parent,
 
 absl::StatusOr<std::pair<SaveNode, std::shared_ptr<ShardFile>>>
 SaveArea::Create(uint64_t parent, absl::string_view name) {
+  RETURN_IF_ERROR(CheckName(name));
   std::lock_guard<std::mutex> lock(mu_);
   auto it = nodes_.find(parent);
   if (it == nodes_.end()) return absl::NotFoundError("no such directory");
@@ -133,7 +144,7 @@ SaveArea::Create(uint64_t parent, absl::string_view name) {
     return absl::PermissionDeniedError(absl::StrCat(
         "only rank-RRRRR/model.safetensors and files under rank-RRRRR/extra/ "
         "can be saved, not ",
-        name));
+        Excerpt(name)));
   }
   const std::string extra_path = absl::StrCat(p.extra_path, name);
   const Step& step = steps_.at(p.step);

@@ -54,6 +54,36 @@ void Tree::SortChildren() {
   }
 }
 
+namespace {
+
+// Counts the nodes the views of `config` would take, from the placement
+// alone, and refuses a config past kMaxNodes before any is made.
+absl::Status CheckSize(const Store& store, const ParallelConfig& config,
+                       const std::vector<StepRecord>& steps) {
+  int64_t nodes = 16;
+  if (!steps.empty() && store.model() != nullptr) {
+    ASSIGN_OR_RETURN(Placement p,
+                     Placement::Create(store.layout(), store.model(), config));
+    int64_t per_step = 1;
+    for (int rank = 0; rank < config.world_size(); ++rank) {
+      // The rank's directory, model.safetensors, rank.json, tensors/, extra/.
+      per_step +=
+          5 + static_cast<int64_t>(p.shards(config.ShardGroup(rank)).size());
+    }
+    nodes += per_step * static_cast<int64_t>(steps.size());
+  }
+  ASSIGN_OR_RETURN(auto datasets, store.Datasets());
+  nodes += static_cast<int64_t>(datasets.size()) * (2 + 5 * config.dp());
+  if (nodes <= Tree::kMaxNodes) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "config ", config.ToString(), ": its views would take ", nodes,
+      " files (", steps.size(), " steps of ", config.world_size(),
+      " ranks), more than a mount serves (", Tree::kMaxNodes,
+      "); keep fewer steps (mount --keep-steps) or choose a smaller config"));
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
                                                   const ParallelConfig& config,
                                                   uint64_t generation) {
@@ -69,6 +99,7 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
     return n;
   };
   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store.Steps());
+  RETURN_IF_ERROR(CheckSize(store, config, steps));
   add_text(kRootIno, "config", config.ToString() + "\n").mode = 0644;
   add_text(kRootIno, "status", "").live = true;
   json job = {
@@ -149,7 +180,7 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
                     {"dp_rank", c.dp_rank},
                     {"config", config.ToString()},
                     {"tensors", tensors}}
-                       .dump(2) +
+                       .dump(2, ' ', false, json::error_handler_t::replace) +
                    "\n");
       const uint64_t tensor_dir =
           tree->Add(rank_dir, "tensors", NodeKind::kDir, 0555).ino;
@@ -171,7 +202,9 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
     tree->tensor_starts_.push_back(std::move(starts));
   }
   Node& job_node = tree->nodes_[*tree->IndexOf(job_ino)];
-  job_node.text = job.dump(2) + "\n";
+  // The store's path is the user's and may hold any bytes.
+  job_node.text =
+      job.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
   job_node.size = static_cast<int64_t>(job_node.text.size());
   tree->SortChildren();
   RETURN_IF_ERROR(tree->NumberSamples());
@@ -215,7 +248,7 @@ absl::Status Tree::AddDatasets(const Store& store,
                                uint64_t data_dir, json& job) {
   auto add_text = [&](uint64_t parent, std::string name, const json& j) {
     Node& n = Add(parent, std::move(name), NodeKind::kFile, 0444);
-    n.text = j.dump(2) + "\n";
+    n.text = j.dump(2, ' ', false, json::error_handler_t::replace) + "\n";
     n.size = static_cast<int64_t>(n.text.size());
   };
   ASSIGN_OR_RETURN(auto records, store.Datasets());

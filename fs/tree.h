@@ -122,6 +122,10 @@ class Tree {
   // Inode numbers: the generation in the high 24 bits, an index below.
   static constexpr int kIndexBits = 40;
   static constexpr uint64_t kMaxGeneration = (uint64_t{1} << 24) - 1;
+  // The most nodes a tree may have (some hundreds of bytes each, with the
+  // headers and rank.json texts): a config whose views would need more is
+  // refused before they are built.
+  static constexpr int64_t kMaxNodes = int64_t{1} << 21;
   static uint64_t GenerationOf(uint64_t ino) { return ino >> kIndexBits; }
 
   // The kernel's references to inodes: each entry it receives (lookup,

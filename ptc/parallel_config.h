@@ -28,9 +28,11 @@ struct RankCoords {
 
 class ParallelConfig {
  public:
-  // The largest degree and world size accepted; far beyond any real job, small
-  // enough that rank arithmetic never overflows an int.
-  static constexpr int64_t kMaxWorldSize = int64_t{1} << 24;
+  // The largest degree and world size accepted (65536 ranks): beyond the
+  // largest jobs run today, and small enough that a mount's tree of every
+  // rank fits in memory; an absurd config is refused before anything is
+  // allocated for it.
+  static constexpr int64_t kMaxWorldSize = int64_t{1} << 16;
 
   // Parses "tp=2,pp=4,dp=8" or "tp=2,pp=4,dp=8,stages=6:6:6:6". Keys may come
   // in any order; tp, pp and dp are required. Surrounding whitespace (the

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
+#include "transfer/mapping_guard.h"
 
 namespace scalai {
 namespace {
@@ -53,10 +54,14 @@ std::shared_ptr<const BlobReader> BlobReader::Open(
         blob->Where(), " cannot be opened: ", fd.status().message()));
     return blob;
   }
-  blob->fd_ = *std::move(fd);
   struct stat st;
-  if (fstat(blob->fd_.get(), &st) == 0) blob->mtime_ns_ = MtimeNs(st);
-  auto map = MappedFile::Map(blob->fd_.get(), blob->record_.size, blob->path_);
+  if (fstat(fd->get(), &st) == 0) {
+    blob->mtime_ns_ = MtimeNs(st);
+    blob->dev_ = st.st_dev;
+    blob->ino_ = st.st_ino;
+  }
+  // The descriptor closes on return; the mapping keeps the file.
+  auto map = MappedFile::Map(fd->get(), blob->record_.size, blob->path_);
   if (!map.ok()) {
     blob->damage_ = absl::DataLossError(absl::StrCat(
         blob->Where(), " cannot be mapped: ", map.status().message()));
@@ -70,10 +75,28 @@ std::string BlobReader::Where() const {
   return absl::StrCat("blob ", name_, " of step ", record_.step);
 }
 
+absl::StatusOr<UniqueFd> BlobReader::OpenFd() const {
+  if (!damage_.ok()) return damage_;
+  ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path_, O_RDONLY));
+  struct stat st;
+  if (fstat(fd.get(), &st) != 0) return ErrnoError(errno, "stat", path_);
+  if (st.st_dev != dev_ || st.st_ino != ino_) {
+    return absl::NotFoundError(
+        absl::StrCat(path_, " now names another file than the one in use"));
+  }
+  return fd;
+}
+
 absl::Status BlobReader::CheckUnchanged() const {
   if (!damage_.ok()) return damage_;
   struct stat st;
-  if (fstat(fd_.get(), &st) != 0) return ErrnoError(errno, "stat", path_);
+  if (stat(path_.c_str(), &st) != 0 || st.st_dev != dev_ || st.st_ino != ino_) {
+    // The name is gone or names another file (a step retired while this
+    // reader had it open): the mapping still holds the file read so far,
+    // whose verified chunks stay verified. A fault from a cut made before
+    // the name went is caught by ReadMapped.
+    return absl::OkStatus();
+  }
   if (st.st_size != record_.size) {
     return absl::DataLossError(
         absl::StrCat(Where(), " has ", st.st_size, " bytes, the catalog says ",
@@ -110,17 +133,25 @@ absl::Status BlobReader::VerifyChunk(int64_t chunk) const {
   if (IsVerified(chunk)) return absl::OkStatus();
   const int64_t begin = chunk * chunk_bytes_;
   const int64_t bytes = std::min(chunk_bytes_, record_.size - begin);
-  if (HashChunk(map_.data() + begin, bytes) != sums_[chunk]) {
-    return ChunkMismatch(chunk);
+  uint64_t sum = 0;
+  if (!ReadMapped([&] { sum = HashChunk(map_.data() + begin, bytes); })) {
+    return CutShort();
   }
+  if (sum != sums_[chunk]) return ChunkMismatch(chunk);
   MarkVerified(chunk);
   return absl::OkStatus();
 }
 
-absl::Status BlobReader::PreadAll(char* out, int64_t bytes,
-                                  int64_t offset) const {
+absl::Status BlobReader::Fetch(int fd, char* out, int64_t bytes,
+                               int64_t offset) const {
+  if (fd < 0) {
+    if (!ReadMapped([&] { std::memcpy(out, map_.data() + offset, bytes); })) {
+      return CutShort();
+    }
+    return absl::OkStatus();
+  }
   for (int64_t done = 0; done < bytes;) {
-    const ssize_t n = pread(fd_.get(), out + done, bytes - done, offset + done);
+    const ssize_t n = pread(fd, out + done, bytes - done, offset + done);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return ErrnoError(errno, "read", path_);
     if (n == 0) {
@@ -135,12 +166,15 @@ absl::Status BlobReader::PreadAll(char* out, int64_t bytes,
 
 absl::Status BlobReader::ReadInto(int64_t offset, int64_t length, char* buffer,
                                   const Sink& sink) const {
+  // pread where the file can be opened; the mapping where its name is gone.
+  absl::StatusOr<UniqueFd> opened = OpenFd();
+  const int fd = opened.ok() ? opened->get() : -1;
   if (chunk_bytes_ > kBlobChunkBytes) {
     // A whole-blob sum (an older record): verified through the mapping.
     RETURN_IF_ERROR(Verify(offset, length));
     for (int64_t at = offset; at < offset + length; at += kBlobChunkBytes) {
       const int64_t n = std::min(kBlobChunkBytes, offset + length - at);
-      RETURN_IF_ERROR(PreadAll(buffer, n, at));
+      RETURN_IF_ERROR(Fetch(fd, buffer, n, at));
       RETURN_IF_ERROR(sink(buffer, n));
     }
     return absl::OkStatus();
@@ -157,13 +191,13 @@ absl::Status BlobReader::ReadInto(int64_t offset, int64_t length, char* buffer,
     const int64_t from = std::max(offset, chunk_begin);
     const int64_t to = std::min(end, chunk_begin + kBlobChunkBytes);
     if (IsVerified(c)) {
-      RETURN_IF_ERROR(PreadAll(buffer, to - from, from));
+      RETURN_IF_ERROR(Fetch(fd, buffer, to - from, from));
       RETURN_IF_ERROR(sink(buffer, to - from));
       continue;
     }
     const int64_t chunk_bytes =
         std::min(kBlobChunkBytes, record_.size - chunk_begin);
-    RETURN_IF_ERROR(PreadAll(buffer, chunk_bytes, chunk_begin));
+    RETURN_IF_ERROR(Fetch(fd, buffer, chunk_bytes, chunk_begin));
     if (HashChunk(buffer, chunk_bytes) != sums_[c]) return ChunkMismatch(c);
     MarkVerified(c);
     RETURN_IF_ERROR(sink(buffer + (from - chunk_begin), to - from));
@@ -194,8 +228,16 @@ absl::Status BlobReader::VerifyChunks(int64_t offset, int64_t length) const {
 
 absl::Status BlobReader::Read(char* out, int64_t length, int64_t offset) const {
   RETURN_IF_ERROR(Verify(offset, length));
-  if (length > 0) std::memcpy(out, map_.data() + offset, length);
+  if (length > 0 &&
+      !ReadMapped([&] { std::memcpy(out, map_.data() + offset, length); })) {
+    return CutShort();
+  }
   return absl::OkStatus();
+}
+
+absl::Status BlobReader::CutShort() const {
+  return absl::DataLossError(
+      absl::StrCat(Where(), " was cut short while in use (run scalai fsck)"));
 }
 
 absl::Status UnchangedBlobs::Check(const BlobReader& blob) {

@@ -1,7 +1,11 @@
 // A BlobReader is one blob of a store open for reading, whose bytes are
 // verified against the blob's chunk sums (blob_checksum.h) the first time
 // each chunk is read, and remembered as verified while the file stays as it
-// was (same size and modification time). A blob that is missing, short,
+// was (same size and modification time). It holds the blob mapped but no
+// file descriptor: a mount serves thousands of blobs, across generations,
+// and descriptors are opened only for the length of a copy (OpenFd). The
+// mapping keeps the bytes even once the blob's name is gone (a step
+// retired while a reader still has it open). A blob that is missing, short,
 // changed or unrecorded still opens: every read that needs it fails with a
 // DataLoss error naming the blob, its step and the chunk, so one damaged blob
 // costs only the reads that touch it and wrong bytes are never handed out.
@@ -11,6 +15,8 @@
 //   RETURN_IF_ERROR(blob->Read(out, n, offset));
 #ifndef SCALAI_TRANSFER_BLOB_READER_H_
 #define SCALAI_TRANSFER_BLOB_READER_H_
+
+#include <sys/types.h>
 
 #include <atomic>
 #include <cstddef>
@@ -41,22 +47,28 @@ class BlobReader {
   int64_t step() const { return record_.step; }
   // The recorded size.
   int64_t size() const { return record_.size; }
-  // The blob mapped; a range may be touched only after Verify accepted it.
+  // The blob mapped; a range may be touched only after Verify accepted it,
+  // and only inside ReadMapped (mapping_guard.h).
   const std::byte* data() const { return map_.data(); }
-  int fd() const { return fd_.get(); }
+  // The blob's file opened for reading, for a copy that stays inside the
+  // kernel; fails if its name is gone or now names another file.
+  absl::StatusOr<UniqueFd> OpenFd() const;
 
   // Checks that bytes [offset, offset + length) are the bytes recorded:
   // the file is unchanged (CheckUnchanged), and each chunk they touch is
   // hashed the first time. Thread-safe.
   absl::Status Verify(int64_t offset, int64_t length) const;
   // The two halves of Verify, for an operation that reads many small pieces
-  // of a blob (rows of a tensor split along dim 1): one fstat, that the
-  // file still has its recorded size (a new modification time forgets which
+  // of a blob (rows of a tensor split along dim 1): one stat, that the file
+  // still has its recorded size (a new modification time forgets which
   // chunks were checked), then the chunks of each piece.
   absl::Status CheckUnchanged() const;
   absl::Status VerifyChunks(int64_t offset, int64_t length) const;
   // Verify, then copy the bytes out.
   absl::Status Read(char* out, int64_t length, int64_t offset) const;
+  // The error for a read of the mapping that faulted (ReadMapped): the file
+  // was cut short while in use.
+  absl::Status CutShort() const;
   // Hands bytes [offset, offset + length) to `sink` in order, in pieces of
   // at most kBlobChunkBytes, read with pread into `buffer` (kBlobChunkBytes
   // long) and never through the mapping: a long sequential copy pays no page
@@ -72,8 +84,9 @@ class BlobReader {
   bool IsVerified(int64_t chunk) const;
   void MarkVerified(int64_t chunk) const;
   absl::Status ChunkMismatch(int64_t chunk) const;
-  // pread of exactly `bytes`; a short file is damage.
-  absl::Status PreadAll(char* out, int64_t bytes, int64_t offset) const;
+  // Exactly `bytes` at `offset`: with pread from `fd` when it is open (a
+  // short file is damage), else from the mapping.
+  absl::Status Fetch(int fd, char* out, int64_t bytes, int64_t offset) const;
   std::string Where() const;
 
   std::string name_;
@@ -83,7 +96,8 @@ class BlobReader {
   int64_t chunk_bytes_ = 0;
   std::vector<uint64_t> sums_;
   absl::Status damage_;  // why the blob cannot be read at all
-  UniqueFd fd_;
+  dev_t dev_ = 0;        // the file mapped, to tell it from a replacement
+  ino_t ino_ = 0;
   MappedFile map_;
   // One bit a chunk: verified since the file was last seen modified.
   std::unique_ptr<std::atomic<uint64_t>[]> verified_;

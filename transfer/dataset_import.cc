@@ -18,6 +18,7 @@
 #include "ptc/excerpt.h"
 #include "ptc/megatron_index.h"
 #include "ptc/status_macros.h"
+#include "ptc/utf8.h"
 #include "transfer/dataset_source.h"
 
 namespace scalai {
@@ -152,11 +153,18 @@ absl::StatusOr<DatasetRecord> AddDataset(Store& store,
         absl::StrCat("dataset ", o.name, " already exists in ", store.dir()));
   }
   if (o.format != "jsonl" && o.format != "megatron") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("format '", o.format, "': expected jsonl or megatron"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "format '", Excerpt(o.format), "': expected jsonl or megatron"));
   }
   if (o.files.empty())
     return absl::InvalidArgumentError("no source files given");
+  for (const std::string& f : o.files) {
+    // The record keeps the paths, in JSON.
+    if (!IsUtf8(f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "\"", Excerpt(f), "\": a dataset file's path must be UTF-8"));
+    }
+  }
 
   DatasetRecord record;
   record.format = o.format;

@@ -18,6 +18,7 @@
 #include "ptc/status_macros.h"
 #include "transfer/blob_reader.h"
 #include "transfer/box_copy.h"
+#include "transfer/mapping_guard.h"
 #include "transfer/step_bytes.h"
 #include "transfer/write_behind.h"
 
@@ -55,9 +56,10 @@ class OutputStream {
     RETURN_IF_ERROR(t.Verify(offset, length));
     loff_t in = t.offset + offset;
     int64_t done = 0;
-    while (done < length) {
+    absl::StatusOr<UniqueFd> source = t.blob->OpenFd();
+    while (source.ok() && done < length) {
       const int64_t want = std::min(length - done, WriteBehind::kSpanBytes);
-      ssize_t n = copy_file_range(t.fd, &in, fd_, nullptr, want, 0);
+      ssize_t n = copy_file_range(source->get(), &in, fd_, nullptr, want, 0);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) break;  // EXDEV, ENOSYS, EINVAL: fall back to the mapping
       RETURN_IF_ERROR(Advance(n));
@@ -146,8 +148,12 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
         const TensorShard& s = plan.from().shards(op.src.group)[op.src.shard];
         const StepBytes::Tensor& t = src.tensor(op.src);
         RETURN_IF_ERROR(t.Verify(0, s.bytes));
-        CopyBox(t.data, s.local_shape, op.src_origin, buffer.data(),
-                dst.local_shape, op.dst.origin(), op.dst.shape(), elem);
+        if (!ReadMapped([&] {
+              CopyBox(t.data, s.local_shape, op.src_origin, buffer.data(),
+                      dst.local_shape, op.dst.origin(), op.dst.shape(), elem);
+            })) {
+          return t.blob->CutShort();
+        }
       }
       RETURN_IF_ERROR(stream.Write(buffer.data(), dst.bytes));
     }

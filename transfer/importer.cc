@@ -18,8 +18,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
+#include "ptc/excerpt.h"
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
+#include "ptc/utf8.h"
 #include "transfer/blob_checksum.h"
 #include "transfer/shard_check.h"
 #include "transfer/write_behind.h"
@@ -220,6 +222,10 @@ absl::Status ListFiles(const std::string& dir, const std::string& prefix,
     if (S_ISLNK(st.st_mode)) {
       return UserError(path,
                        "is a symbolic link (extra/ takes regular files only)");
+    }
+    if (!IsUtf8(name)) {
+      // The step's record keeps the paths, in JSON.
+      return UserError(Excerpt(path), "the name is not UTF-8");
     }
     if (S_ISDIR(st.st_mode)) {
       RETURN_IF_ERROR(ListFiles(path, prefix + name + "/", out));

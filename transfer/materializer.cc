@@ -14,6 +14,7 @@
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
+#include "transfer/mapping_guard.h"
 #include "transfer/step_view.h"
 #include "transfer/write_behind.h"
 
@@ -152,9 +153,17 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
               *t.blob, t.offset + seg.src_offset, seg.length));
         } else {
           RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length, unchanged));
-          RETURN_IF_ERROR(writer.Append(
-              reinterpret_cast<const char*>(t.data) + seg.src_offset,
-              seg.length));
+          // A fault leaves this blob half written; the materialization
+          // fails and it is discarded.
+          absl::Status appended;
+          if (!ReadMapped([&] {
+                appended = writer.Append(
+                    reinterpret_cast<const char*>(t.data) + seg.src_offset,
+                    seg.length);
+              })) {
+            return t.blob->CutShort();
+          }
+          RETURN_IF_ERROR(appended);
         }
       } else {
         RETURN_IF_ERROR(writer.AppendZeros(seg.length));

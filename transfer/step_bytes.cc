@@ -30,7 +30,7 @@ absl::StatusOr<StepBytes> StepBytes::Load(const Store& store,
       const int64_t offset = record.tensors[k].offset;
       tensors.push_back(
           {&blob, blob.data() != nullptr ? blob.data() + offset : nullptr,
-           blob.fd(), offset});
+           offset});
     }
     out.tensors_.push_back(std::move(tensors));
   }

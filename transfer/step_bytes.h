@@ -32,13 +32,12 @@ class StepBytes {
                                         const StepRecord& step,
                                         const Placement& placement);
 
-  // A stored tensor: mapped, and as a descriptor and offset for copies that
-  // stay inside the kernel. Bytes may be used only after Verify accepted
-  // them.
+  // A stored tensor: mapped, and as a blob and offset for copies that stay
+  // inside the kernel (BlobReader::OpenFd). Bytes may be used only after
+  // Verify accepted them, and read only inside ReadMapped.
   struct Tensor {
     const BlobReader* blob;
     const std::byte* data;
-    int fd;
     int64_t offset;  // in the blob
     // Bytes [offset, offset + length) of the tensor are the ones recorded.
     absl::Status Verify(int64_t at, int64_t length) const {

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "ptc/status_macros.h"
+#include "transfer/mapping_guard.h"
 
 namespace scalai {
 
@@ -26,7 +27,9 @@ absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
   if (same.valid()) {
     const StepBytes::Tensor& t = bytes_.tensor(same);
     RETURN_IF_ERROR(t.Verify(offset, length));
-    std::memcpy(out, t.data + offset, length);
+    if (!ReadMapped([&] { std::memcpy(out, t.data + offset, length); })) {
+      return t.blob->CutShort();
+    }
     return absl::OkStatus();
   }
   ASSIGN_OR_RETURN(std::vector<Segment> segments,
@@ -37,7 +40,10 @@ absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
     if (seg.src.valid()) {
       const StepBytes::Tensor& t = bytes_.tensor(seg.src);
       RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length, unchanged));
-      std::memcpy(dst, t.data + seg.src_offset, seg.length);
+      if (!ReadMapped(
+              [&] { std::memcpy(dst, t.data + seg.src_offset, seg.length); })) {
+        return t.blob->CutShort();
+      }
     } else {
       std::memset(dst, 0, seg.length);
     }

@@ -34,11 +34,12 @@ def test_seed():
     return seed
 
 
-def serve(binary, store, mnt):
+def serve(binary, store, mnt, preexec_fn=None):
     """`scalai mount --foreground` as a child, returned once it has mounted,
-    for tests that kill the server or watch its process."""
+    for tests that kill the server, watch its process or limit it
+    (`preexec_fn` runs in the child before the exec)."""
     server = subprocess.Popen([binary, "mount", store, mnt, "--foreground"],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     line = server.stdout.readline()
     assert line.startswith("mounted"), line
     return server
