@@ -85,8 +85,14 @@ struct stat Attr(Server& s, const Tree& tree, const Node& n) {
   return st;
 }
 
+bool IsConfig(const Node& n) {
+  return n.parent == kRootIno && n.name == "config";
+}
+
+bool IsShard(const Node& n) { return n.view >= 0 && n.shard < 0; }
+
 // Files whose bytes may change while served: never cached by the kernel.
-bool Volatile(const Node& n) { return n.live || n.mode & 0200; }
+bool Volatile(const Node& n) { return n.live || IsConfig(n); }
 
 double AttrTimeout(const Node& n) { return Volatile(n) ? 0 : kCacheSeconds; }
 
@@ -366,7 +372,10 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     fuse_reply_err(req, ENOENT);
   } else if (n->kind == NodeKind::kDir) {
     fuse_reply_err(req, EISDIR);
-  } else if (writing && n->view >= 0 && n->shard < 0 && (fi->flags & O_TRUNC)) {
+  } else if (writing && IsShard(*n) && !(fi->flags & O_TRUNC)) {
+    // Committed bytes never change: only a whole new copy may be written.
+    fuse_reply_err(req, EROFS);
+  } else if (writing && IsShard(*n)) {
     // A save of a committed step's shard (a replica that closes after the
     // commit, a repeated save): accepted only if identical.
     absl::StatusOr<std::shared_ptr<ShardFile>> scratch = ShardFile::Scratch(
@@ -379,7 +388,7 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     fi->fh = reinterpret_cast<uint64_t>(new Handle(tree, n, *scratch));
     fi->direct_io = 1;
     if (fuse_reply_open(req, fi) != 0) delete HandleOf(fi);
-  } else if (writing && !(n->mode & 0200)) {
+  } else if (writing && !IsConfig(*n)) {
     fuse_reply_err(req, EACCES);
   } else {
     fi->fh = reinterpret_cast<uint64_t>(
@@ -479,7 +488,11 @@ void OnSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
   const int allowed = FUSE_SET_ATTR_SIZE | FUSE_SET_ATTR_MTIME |
                       FUSE_SET_ATTR_ATIME | FUSE_SET_ATTR_MTIME_NOW |
                       FUSE_SET_ATTR_ATIME_NOW;
-  if (!(n->mode & 0200) || (to_set & ~allowed) ||
+  if (IsShard(*n)) {
+    fuse_reply_err(req, EROFS);  // a committed shard never changes
+    return;
+  }
+  if (!IsConfig(*n) || (to_set & ~allowed) ||
       ((to_set & FUSE_SET_ATTR_SIZE) && attr->st_size != 0)) {
     fuse_reply_err(req, EACCES);
     return;
@@ -641,7 +654,7 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
     fuse_reply_write(req, size);
     return;
   }
-  if (!(h.node->mode & 0200)) {
+  if (!IsConfig(*h.node)) {
     fuse_reply_err(req, EACCES);
     return;
   }
@@ -747,8 +760,11 @@ absl::Status Serve(Store& store, std::unique_ptr<Tree> tree,
   ops.unlink = Guarded<OnUnlink>::Run;
   ops.rmdir = Guarded<OnRmdir>::Run;
 
-  std::string mount_opts =
-      absl::StrCat("fsname=scalai,subtype=scalai,max_read=", kMaxIo);
+  // default_permissions: the kernel checks each access against the modes
+  // and owner the mount reports, so another user (with --allow-other) may
+  // read but not write the owner's files.
+  std::string mount_opts = absl::StrCat(
+      "fsname=scalai,subtype=scalai,default_permissions,max_read=", kMaxIo);
   if (options.allow_other) absl::StrAppend(&mount_opts, ",allow_other");
   std::vector<std::string> argv_store = {"scalai", "-o", mount_opts};
   std::vector<char*> argv;

@@ -110,7 +110,11 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
   for (const StepRecord& s : steps) job["steps"].push_back(s.step);
   Node& job_file = add_text(kRootIno, "job.json", "");
   const uint64_t job_ino = job_file.ino;
-  const uint64_t ckpt = tree->Add(kRootIno, "ckpt", NodeKind::kDir, 0555).ino;
+  // Modes mean what they say (the mount checks them, default_permissions):
+  // the owner may save steps in ckpt/, write `config`, and write a
+  // committed model.safetensors again (compared, never changed: a late
+  // data-parallel replica); everything else is read-only.
+  const uint64_t ckpt = tree->Add(kRootIno, "ckpt", NodeKind::kDir, 0755).ino;
   const uint64_t data = tree->Add(kRootIno, "data", NodeKind::kDir, 0555).ino;
   RETURN_IF_ERROR(tree->AddDatasets(store, steps, data, job));
   if (!steps.empty()) {
@@ -168,7 +172,7 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
                                     {"scalai.config", config.ToString()},
                                     {"scalai.step", absl::StrCat(step.step)}}));
       Node& file =
-          tree->Add(rank_dir, "model.safetensors", NodeKind::kFile, 0444);
+          tree->Add(rank_dir, "model.safetensors", NodeKind::kFile, 0644);
       file.text = header.Serialize();
       file.size = header.file_size();
       file.view = view_index;
