@@ -59,8 +59,7 @@ namespace {
 // Where a piece of a rank's tensor lies in the global tensor. Padding rows
 // (zero_fill) lie past the true rows, in the tensor padded for this tp: the
 // rank's local rows are rows [tp_rank * n, (tp_rank + 1) * n) of it.
-Shape GlobalOrigin(const TensorShard& s, const ShardPiece& piece,
-                   int tp_rank) {
+Shape GlobalOrigin(const TensorShard& s, const ShardPiece& piece, int tp_rank) {
   if (!piece.zero_fill) return piece.global.origin();
   Shape origin = piece.local.origin();
   if (s.split_dim >= 0) {
@@ -308,6 +307,9 @@ absl::Status Tree::AddDatasets(const Store& store,
                     {"batches_per_epoch", order.batches_per_epoch()},
                     {"dropped_per_epoch", order.dropped_per_epoch()},
                     {"dp", config_.dp()}};
+    if (!record.token_dtype.empty()) {
+      summary["token_dtype"] = record.token_dtype;
+    }
     add_text(dir, "dataset.json", summary);
     summary["name"] = name;
     job["datasets"].push_back(summary);

@@ -18,6 +18,13 @@ T Load(const char* at) {
 
 }  // namespace
 
+const char* MegatronDTypeName(int dtype_code) {
+  // Megatron's DType enum, in order from code 1.
+  static const char* const kNames[] = {"uint8", "int8",    "int16",   "int32",
+                                       "int64", "float64", "float32", "uint16"};
+  return dtype_code >= 1 && dtype_code <= 8 ? kNames[dtype_code - 1] : "";
+}
+
 int MegatronItemBytes(int dtype_code) {
   // Megatron's DType enum: uint8, int8, int16, int32, int64, float64,
   // float32, uint16.

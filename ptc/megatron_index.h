@@ -58,6 +58,9 @@ class MegatronIndex {
 
 // Bytes per token of a Megatron dtype code, or 0 for an unknown code.
 int MegatronItemBytes(int dtype_code);
+// The numpy name of a Megatron dtype code ("uint16", "int32", ...), or "" for
+// an unknown code.
+const char* MegatronDTypeName(int dtype_code);
 
 }  // namespace scalai
 

@@ -226,6 +226,17 @@ absl::StatusOr<DatasetRecord> AddDataset(Store& store,
         return UserError(idx_stamp.path, header.status().message());
       if (absl::Status s = header->CheckEntries(bytes, bin_stamp.size); !s.ok())
         return UserError(idx_stamp.path, s.message());
+      // One dataset's samples are all of one width: a job reads them as
+      // one array type.
+      const std::string dtype = MegatronDTypeName(header->dtype_code());
+      if (i == 0) {
+        record.token_dtype = dtype;
+      } else if (dtype != record.token_dtype) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "dataset ", o.name, ": ", stamps[0].path, " holds ",
+            record.token_dtype, " tokens but ", idx_stamp.path, " holds ",
+            dtype, " (one dataset has one token dtype)"));
+      }
       progress.Add(idx_stamp.size + bin_stamp.size);
       record.parts.push_back({header->sequences(), {idx_stamp, bin_stamp}});
       record.samples += header->sequences();

@@ -414,6 +414,7 @@ absl::StatusOr<std::map<std::string, DatasetRecord>> Store::Datasets() const {
     DatasetRecord d;
     try {
       d.format = j.at("format").get<std::string>();
+      d.token_dtype = j.value("token_dtype", std::string());
       d.samples = j.at("samples").get<int64_t>();
       d.global_batch = j.at("global_batch").get<int64_t>();
       d.seed = j.at("seed").get<uint64_t>();
@@ -450,16 +451,17 @@ std::string Store::EncodeDataset(const DatasetRecord& d) {
     }
     parts.push_back({{"samples", p.samples}, {"files", files}});
   }
-  return json{{"format", d.format},
-              {"samples", d.samples},
-              {"global_batch", d.global_batch},
-              {"seed", d.seed},
-              {"epochs", d.epochs},
-              {"index", d.index},
-              {"index_size", d.index_size},
-              {"index_xxh3", absl::StrFormat("%016x", d.index_xxh3)},
-              {"parts", parts}}
-      .dump();
+  json j = {{"format", d.format},
+            {"samples", d.samples},
+            {"global_batch", d.global_batch},
+            {"seed", d.seed},
+            {"epochs", d.epochs},
+            {"index", d.index},
+            {"index_size", d.index_size},
+            {"index_xxh3", absl::StrFormat("%016x", d.index_xxh3)},
+            {"parts", parts}};
+  if (!d.token_dtype.empty()) j["token_dtype"] = d.token_dtype;
+  return j.dump();
 }
 
 absl::StatusOr<std::shared_ptr<const Placement>> Store::StepPlacement(

@@ -98,6 +98,9 @@ struct DatasetRecord {
     std::vector<FileStamp> files;
   };
   std::string format;  // "jsonl" or "megatron"
+  // megatron: the tokens' dtype (MegatronDTypeName), the same in every
+  // part; "" for jsonl and for records written before it was kept.
+  std::string token_dtype;
   std::vector<Part> parts;
   int64_t samples = 0;
   int64_t global_batch = 0;

@@ -78,6 +78,13 @@ def main():
         refused(store, pair("empty", b""), "empty file")
         refused(store, pair("emptybin", idx, b""), "empty file")
         refused(store, [f"{tmp}/missing.idx"], "No such file")
+        # Two widths of token in one dataset: refused, naming both files.
+        write_megatron(f"{tmp}/wide", [s.astype(np.int32) for s in seqs], np.int32)
+        p = run("dataset", "add", store, "mixed", "--format", "megatron", "--global-batch", "4",
+                f"{tmp}/good", f"{tmp}/wide", expect=1)
+        for word in ("good.idx", "uint16", "wide.idx", "int32"):
+            assert word in p.stderr, (word, p.stderr)
+        print(f"refused: {p.stderr.strip()}")
         write_jsonl(f"{tmp}/lines.jsonl", [{"a": 1}, {"b": 2}])
         open(f"{tmp}/blank.jsonl", "w").write('{"a": 1}\n\n{"b": 2}\n')
         refused(store, [f"{tmp}/lines.jsonl", f"{tmp}/blank.jsonl"], "line 2 is empty", "jsonl",
@@ -97,6 +104,10 @@ def main():
         # Registered, then changed.
         run("dataset", "add", store, "tok", "--format", "megatron", "--global-batch", "4",
             f"{tmp}/good")
+        run("mount", store, mnt)
+        with open(f"{mnt}/data/tok/dataset.json") as f:
+            assert json.load(f)["token_dtype"] == "uint16"
+        run("umount", mnt)
         run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "2",
             f"{tmp}/lines.jsonl", expect=1)  # dp=4 > 2
         run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "1",

@@ -106,8 +106,9 @@ def main():
         # JSONL: two files, the second without a final newline (103 lines).
         web = write_jsonl(f"{tmp}/a.jsonl", random_records(rng, 61))
         web += write_jsonl(f"{tmp}/b.jsonl", random_records(rng, 42), final_newline=False)
-        # Megatron: a uint16 pair and an int32 pair (77 sequences).
-        tok = write_megatron(f"{tmp}/m1", random_sequences(rng, 57, np.uint16), np.uint16)
+        # Megatron: two int32 pairs (77 sequences); one dataset has one
+        # token dtype (dataset_errors_test refuses a mix).
+        tok = write_megatron(f"{tmp}/m1", random_sequences(rng, 57, np.int32), np.int32)
         tok += write_megatron(f"{tmp}/m2", random_sequences(rng, 20, np.int32), np.int32)
         job = Job({"web": web, "tok": tok})
 
