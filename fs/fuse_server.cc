@@ -680,10 +680,7 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
     }
     auto next = Tree::Build(*s.store, *config, s.current->generation() + 1);
     if (!next.ok()) return next.status();
-    Catalog::Batch batch;
-    batch.Put(Table::kMeta, "config", config->ToString());
-    absl::Status committed = s.store->catalog().Commit(batch);
-    if (!committed.ok()) return committed;
+    RETURN_IF_ERROR(s.store->SetCurrentConfig(*config));
     retired = Switch(s, std::shared_ptr<const Tree>(std::move(*next)));
     StartMaterialization(s);
     return absl::OkStatus();

@@ -53,26 +53,17 @@ absl::Status Serve(const MountCliOptions& o,
   ASSIGN_OR_RETURN(auto store, Store::Open(o.store));
   std::optional<ParallelConfig> config = store->current_config();
   if (!o.config.empty()) {
-    ASSIGN_OR_RETURN(ParallelConfig wanted, ParallelConfig::Parse(o.config));
-    if (store->model() != nullptr) {
-      // Refused before anything changes when the layout cannot serve it.
-      ASSIGN_OR_RETURN(
-          Placement check,
-          Placement::Create(store->layout(), store->model(), wanted));
-    }
-    if (config != wanted) {
-      Catalog::Batch batch;
-      batch.Put(Table::kMeta, "config", wanted.ToString());
-      RETURN_IF_ERROR(store->catalog().Commit(batch));
-      config = wanted;
-    }
+    ASSIGN_OR_RETURN(config, ParallelConfig::Parse(o.config));
   }
   if (!config) {
     return absl::FailedPreconditionError(absl::StrCat(
         "store ", o.store,
         " has no parallel config yet: import a checkpoint or pass --config"));
   }
+  // The views are built first and the config committed after: a config the
+  // store cannot serve changes nothing.
   ASSIGN_OR_RETURN(std::unique_ptr<Tree> tree, Tree::Build(*store, *config));
+  RETURN_IF_ERROR(store->SetCurrentConfig(*config));
   MountOptions mount;
   mount.mountpoint = o.mountpoint;
   mount.allow_other = o.allow_other;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
+#include "ptc/dataset_order.h"
 #include "ptc/excerpt.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
@@ -180,6 +181,29 @@ absl::Status Store::RemoveOrphans(
     }
     ++orphans_removed_;
   }
+  return absl::OkStatus();
+}
+
+absl::Status Store::SetCurrentConfig(const ParallelConfig& config) {
+  if (model_ != nullptr) {
+    auto placement = Placement::Create(layout_, model_, config);
+    if (!placement.ok()) return placement.status();
+  }
+  ASSIGN_OR_RETURN(auto datasets, Datasets());
+  for (const auto& [name, d] : datasets) {
+    ASSIGN_OR_RETURN(
+        DatasetOrder order,
+        DatasetOrder::Create(d.samples, d.global_batch, d.seed, d.epochs));
+    if (absl::Status s = order.CheckDp(config.dp()); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("dataset ", name, ": ", s.message()));
+    }
+  }
+  if (config_ == config) return absl::OkStatus();
+  Catalog::Batch batch;
+  batch.Put(Table::kMeta, "config", config.ToString());
+  RETURN_IF_ERROR(catalog_->Commit(batch));
+  config_ = config;
   return absl::OkStatus();
 }
 

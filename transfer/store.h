@@ -166,6 +166,11 @@ class Store {
   absl::Status DeleteStep(int64_t step);
   // Every registered dataset, by name.
   absl::StatusOr<std::map<std::string, DatasetRecord>> Datasets() const;
+  // Makes `config` the store's current one once it is known to serve the
+  // model (a placement exists) and every dataset (each global batch has a
+  // sample for every data-parallel rank). The one place the current config
+  // changes: a refusal changes nothing.
+  absl::Status SetCurrentConfig(const ParallelConfig& config);
   // Whether every dataset's views can start at `consumed_samples`: the
   // position of a step must fall on a global batch of each.
   absl::Status CheckPosition(int64_t consumed_samples) const;

@@ -9,12 +9,15 @@ run a command, or leave the store unusable (issue 26):
   registered dataset's global batch is refused with the reason, and so is
   registering a dataset whose global batch the newest step's position does
   not fall on: either would make the store unmountable;
+- mount --config with a dp larger than a dataset's global batch is refused
+  and leaves the store's current config unchanged;
 - mount on a regular file fails, leaves no mount, and the store is free
   (fsck runs);
 - umount of a mount point whose name holds shell syntax runs no shell:
   with the mount busy, so that the fusermount3 fallback runs, no file
   appears, and the mount is still there to unmount once idle.
 Exits 77 only where /dev/fuse is missing."""
+import json
 import os
 import re
 import sys
@@ -90,6 +93,16 @@ def main():
                    "--format", "jsonl", "--global-batch", "8", expect=1)
         print("a dataset the newest position (12) does not fit:",
               one_line(p, "12", "global batch 8"))
+
+        # mount --config with a dp the dataset's batch of 4 cannot feed:
+        # refused, and the store keeps its config (issue 25).
+        os.makedirs(f"{tmp}/mnt")
+        p = scalai(BIN, "mount", store, f"{tmp}/mnt", "--config", "tp=1,pp=1,dp=8", expect=1)
+        mounts.add(f"{tmp}/mnt")
+        assert not mounted(f"{tmp}/mnt")
+        assert json.loads(scalai(BIN, "inspect", store, "--json").stdout)["config"] == CONFIG
+        print("mount --config with an impossible dp:", one_line(p, "dp=8"),
+              "- the store's config unchanged")
 
         with open(f"{tmp}/file", "w") as f:
             f.write("not a directory\n")
