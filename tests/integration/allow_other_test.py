@@ -19,7 +19,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse  # noqa
+from harness import Mounts, require_fuse, synth_store  # noqa
 from reference import scalai  # noqa
 
 BIN = sys.argv[1]
@@ -94,13 +94,9 @@ def main():
     try:
         with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp, Mounts() as mounts:
             os.chmod(tmp, 0o755)  # the other user must reach the mount point
-            src, store, mnt = f"{tmp}/src", f"{tmp}/store", f"{tmp}/mnt"
+            src, store = synth_store(BIN, tmp, CONFIG, MODEL, 512)
+            mnt = f"{tmp}/mnt"
             os.makedirs(mnt)
-            scalai(BIN, "synth", src, "--layout", "megatron-core-gpt", "--config", CONFIG,
-                   "--model", MODEL, "--dtype", "f32")
-            scalai(BIN, "init", store, "--layout", "megatron-core-gpt", "--param",
-                   "vocab_size=512")
-            scalai(BIN, "import", store, src, "--config", CONFIG, "--step", "100")
             with open(f"{src}/rank-00000/model.safetensors", "rb") as f:
                 data = f.read()
 

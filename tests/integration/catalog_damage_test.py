@@ -22,7 +22,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse  # noqa
+from harness import Mounts, require_fuse, synth_store  # noqa
 from reference import scalai  # noqa
 
 BIN = sys.argv[1]
@@ -74,11 +74,7 @@ def refused_everywhere(store, tmp, mounts, says):
 def main():
     require_fuse()
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp, Mounts() as mounts:
-        src, store = f"{tmp}/src", f"{tmp}/store"
-        scalai(BIN, "synth", src, "--layout", "megatron-core-gpt", "--config", CONFIG,
-               "--model", MODEL, "--dtype", "f32")
-        scalai(BIN, "init", store, "--layout", "megatron-core-gpt", "--param", "vocab_size=512")
-        scalai(BIN, "import", store, src, "--config", CONFIG, "--step", "100")
+        src, store = synth_store(BIN, tmp, CONFIG, MODEL, 512)
         single = f"{tmp}/single"
         shutil.copytree(store, single)  # one commit, in the log
         scalai(BIN, "import", store, src, "--config", CONFIG, "--step", "200")

@@ -15,7 +15,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse  # noqa
+from harness import Mounts, require_fuse, synth_store  # noqa
 from reference import scalai  # noqa
 from views import status  # noqa
 
@@ -47,12 +47,9 @@ def tensor_bytes(data):
 def main():
     require_fuse()
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp, Mounts() as mounts:
-        src, store, mnt = f"{tmp}/src", f"{tmp}/store", f"{tmp}/mnt"
+        src, store = synth_store(BIN, tmp, CONFIG, MODEL, 512, seed=3)
+        mnt = f"{tmp}/mnt"
         os.makedirs(mnt)
-        scalai(BIN, "synth", src, "--layout", "megatron-core-gpt", "--config", CONFIG,
-               "--model", MODEL, "--dtype", "f32", "--seed", "3")
-        scalai(BIN, "init", store, "--layout", "megatron-core-gpt", "--param", "vocab_size=512")
-        scalai(BIN, "import", store, src, "--config", CONFIG, "--step", "100")
         data = read(f"{src}/rank-00000/model.safetensors")
         scalai(BIN, "mount", store, mounts.add(mnt))
 

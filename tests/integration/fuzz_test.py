@@ -18,7 +18,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse, test_seed  # noqa
+from harness import Mounts, require_fuse, synth_store, test_seed  # noqa
 from reference import scalai  # noqa
 
 BIN = sys.argv[1]
@@ -153,12 +153,9 @@ def main():
     require_fuse()
     rng = random.Random(test_seed())
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp, Mounts() as mounts:
-        src, store, mnt = f"{tmp}/src", f"{tmp}/store", f"{tmp}/mnt"
+        _, store = synth_store(BIN, tmp, CONFIG, MODEL, 256)
+        mnt = f"{tmp}/mnt"
         os.makedirs(mnt)
-        scalai(BIN, "synth", src, "--layout", "megatron-core-gpt", "--config", CONFIG,
-               "--model", MODEL, "--dtype", "f32")
-        scalai(BIN, "init", store, "--layout", "megatron-core-gpt", "--param", "vocab_size=256")
-        scalai(BIN, "import", store, src, "--config", CONFIG, "--step", "100")
         scalai(BIN, "mount", store, mounts.add(mnt))
         before = {r: open(f"{mnt}/ckpt/step-00000100/rank-{r:05d}/tensors/output_layer.weight",
                           "rb").read() for r in (0, 1)}

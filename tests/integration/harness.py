@@ -27,6 +27,22 @@ def small_tmpfs(path, size, mounts):
     return mounts.add(path)
 
 
+def synth_store(binary, tmp, config, model, vocab, step=100, seed=1):
+    """A store at TMP/store of a random megatron-core-gpt checkpoint, written
+    by `scalai synth` under `config` (f32) to TMP/src and imported as `step`
+    (None: not imported). Returns (src, store)."""
+    src, store = f"{tmp}/src", f"{tmp}/store"
+    for args in (["synth", src, "--layout", "megatron-core-gpt", "--config", config,
+                  "--model", model, "--dtype", "f32", "--seed", str(seed)],
+                 ["init", store, "--layout", "megatron-core-gpt", "--param", f"vocab_size={vocab}"],
+                 ["import", store, src, "--config", config, "--step", str(step)]):
+        if args[0] == "import" and step is None:
+            break
+        p = subprocess.run([binary, *args], capture_output=True, text=True)
+        assert p.returncode == 0, f"scalai {' '.join(args)}: {p.stderr}"
+    return src, store
+
+
 def test_seed():
     """SCALAI_TEST_SEED if set, else a fresh seed; printed either way."""
     seed = int(os.environ.get("SCALAI_TEST_SEED", random.randrange(1 << 30)))

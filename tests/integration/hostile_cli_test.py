@@ -25,7 +25,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse  # noqa
+from harness import Mounts, require_fuse, synth_store  # noqa
 from reference import read_safetensors, scalai, write_safetensors  # noqa
 
 BIN = os.path.abspath(sys.argv[1])
@@ -52,10 +52,7 @@ def one_line(p, *words):
 def main():
     require_fuse()
     with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp, Mounts() as mounts:
-        src, store = f"{tmp}/src", f"{tmp}/store"
-        scalai(BIN, "synth", src, "--layout", "megatron-core-gpt", "--config", CONFIG,
-               "--model", MODEL, "--dtype", "f32")
-        scalai(BIN, "init", store, "--layout", "megatron-core-gpt", "--param", "vocab_size=512")
+        src, store = synth_store(BIN, tmp, CONFIG, MODEL, 512, step=None)
 
         os.makedirs(f"{src}/rank-00000/extra")
         os.symlink("/etc/hostname", f"{src}/rank-00000/extra/host")

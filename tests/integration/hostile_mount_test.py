@@ -28,7 +28,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse, serve  # noqa
+from harness import Mounts, require_fuse, serve, synth_store  # noqa
 from reference import read_safetensors, scalai, write_safetensors  # noqa
 
 BIN = sys.argv[1]
@@ -78,12 +78,9 @@ def tensor_files(mnt, rank):
 
 
 def hostile_input(tmp, mounts):
-    src, store, mnt = f"{tmp}/src", f"{tmp}/store", f"{tmp}/mnt"
+    src, store = synth_store(BIN, tmp, CONFIG, MODEL, 512)
+    mnt = f"{tmp}/mnt"
     os.makedirs(mnt)
-    scalai(BIN, "synth", src, "--layout", "megatron-core-gpt", "--config", CONFIG,
-           "--model", MODEL, "--dtype", "f32")
-    scalai(BIN, "init", store, "--layout", "megatron-core-gpt", "--param", "vocab_size=512")
-    scalai(BIN, "import", store, src, "--config", CONFIG, "--step", "100")
     scalai(BIN, "synth", f"{tmp}/src150", "--layout", "megatron-core-gpt", "--config", CONFIG,
            "--model", MODEL, "--dtype", "f32", "--seed", "150")
     scalai(BIN, "import", store, f"{tmp}/src150", "--config", CONFIG, "--step", "150")
