@@ -18,8 +18,10 @@ constexpr absl::string_view kMegatronCoreGpt = R"json({
   "name": "megatron-core-gpt",
   "layer": {"pattern": "decoder\\.layers\\.(\\d+)\\.", "numbering": "local"},
   "params": {"vocab_size": null, "make_vocab_size_divisible_by": 128,
-             "gated_linear_unit": false,
+             "gated_linear_unit": false, "tied": false,
              "num_attention_heads": null, "num_query_groups": null},
+  "tie": {"when": "tied", "input": "embedding.word_embeddings.weight",
+          "output": "output_layer.weight"},
   "rules": [
     {"match": "embedding\\.word_embeddings\\.weight$", "split": 0, "vocab": true, "stage": "first"},
     {"match": "output_layer\\.weight$", "split": 0, "vocab": true, "stage": "last"},
@@ -39,7 +41,10 @@ constexpr absl::string_view kHfLlama = R"json({
   "name": "hf-llama",
   "layer": {"pattern": "model\\.layers\\.(\\d+)\\.", "numbering": "global"},
   "params": {"vocab_size": null, "make_vocab_size_divisible_by": 1,
+             "tied": false,
              "num_attention_heads": null, "num_query_groups": null},
+  "tie": {"when": "tied", "input": "model.embed_tokens.weight",
+          "output": "lm_head.weight"},
   "rules": [
     {"match": "embed_tokens\\.weight$", "split": 0, "vocab": true, "stage": "first"},
     {"match": "lm_head\\.weight$", "split": 0, "vocab": true, "stage": "last"},
@@ -224,8 +229,8 @@ absl::StatusOr<Layout> Layout::FromJson(absl::string_view text,
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return LayoutError(source, "not valid JSON");
   if (!j.is_object()) return LayoutError(source, "not a JSON object");
-  RETURN_IF_ERROR(
-      CheckKeys(source, "layout", j, {"name", "layer", "params", "rules"}));
+  RETURN_IF_ERROR(CheckKeys(source, "layout", j,
+                            {"name", "layer", "params", "tie", "rules"}));
   Layout layout;
   if (!j.contains("name") || !j["name"].is_string()) {
     return LayoutError(source, "\"name\" must be a string");
@@ -280,7 +285,33 @@ absl::StatusOr<Layout> Layout::FromJson(absl::string_view text,
   }
   layout.rules_ = std::move(rules);
   layout.rules_json_ = j["rules"];
+  if (j.contains("tie")) {
+    const json& tie = j["tie"];
+    if (!tie.is_object())
+      return LayoutError(source, "\"tie\" must be an object");
+    RETURN_IF_ERROR(CheckKeys(source, "tie", tie, {"when", "input", "output"}));
+    for (const char* key : {"when", "input", "output"}) {
+      if (!tie.contains(key) || !tie[key].is_string()) {
+        return LayoutError(source,
+                           absl::StrCat("tie: \"", key, "\" must be a string"));
+      }
+    }
+    layout.tie_ = {tie["when"].get<std::string>(),
+                   tie["input"].get<std::string>(),
+                   tie["output"].get<std::string>()};
+    if (!layout.params_.contains(layout.tie_->when) ||
+        !layout.params_[layout.tie_->when].is_boolean()) {
+      return LayoutError(
+          source, absl::StrCat("tie: \"when\" names \"", layout.tie_->when,
+                               "\", not a boolean parameter"));
+    }
+  }
   return layout;
+}
+
+std::optional<Layout::Tie> Layout::ActiveTie() const {
+  if (!tie_ || !params_[tie_->when].get<bool>()) return std::nullopt;
+  return tie_;
 }
 
 absl::Status Layout::SetParam(absl::string_view key, absl::string_view value) {
@@ -370,6 +401,10 @@ std::string Layout::LocalName(absl::string_view tensor_name,
 
 nlohmann::json Layout::ToJson() const {
   json j = {{"name", name_}, {"params", params_}, {"rules", rules_json_}};
+  if (tie_) {
+    j["tie"] = {
+        {"when", tie_->when}, {"input", tie_->input}, {"output", tie_->output}};
+  }
   if (!layer_pattern_.empty()) {
     j["layer"] = {{"pattern", layer_pattern_},
                   {"numbering", local_numbering_ ? "local" : "global"}};

@@ -78,6 +78,18 @@ class Layout {
 
   absl::StatusOr<TensorRule> Classify(absl::string_view tensor_name) const;
 
+  // Tied input and output embeddings (Megatron's
+  // share_embeddings_and_output_weights, Hugging Face's tie_word_embeddings):
+  // while the boolean parameter `when` is true, the model stores `input`
+  // only, and a last pipeline stage that does not hold it (pp > 1) holds
+  // it as `output` too, as the frameworks save it.
+  struct Tie {
+    std::string when;
+    std::string input;
+    std::string output;
+  };
+  std::optional<Tie> ActiveTie() const;
+
   // The tensor's name as a rank holding layer `local_layer` of its stage sees
   // it: the layer number replaced under local numbering, else unchanged.
   std::string LocalName(absl::string_view tensor_name, const TensorRule& rule,
@@ -95,6 +107,7 @@ class Layout {
   // Shared so that Layout copies stay cheap; rules never change after parsing.
   std::shared_ptr<const std::vector<LayoutRule>> rules_;
   nlohmann::json rules_json_;
+  std::optional<Tie> tie_;
 };
 
 }  // namespace scalai

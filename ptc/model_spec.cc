@@ -136,7 +136,7 @@ absl::StatusOr<Model> ModelSpec::Build(const Layout& layout,
       if (bias) b.Add(p + "mlp.linear_fc2.bias", {hidden});
     }
     b.Add("decoder.final_layernorm.weight", {hidden});
-    b.Add("output_layer.weight", {vocab, hidden});
+    if (!layout.ActiveTie()) b.Add("output_layer.weight", {vocab, hidden});
   } else if (layout.name() == "hf-llama") {
     b.Add("model.embed_tokens.weight", {vocab, hidden});
     for (int64_t n = 0; n < layers; ++n) {
@@ -159,7 +159,7 @@ absl::StatusOr<Model> ModelSpec::Build(const Layout& layout,
       if (bias) b.Add(p + "mlp.down_proj.bias", {hidden});
     }
     b.Add("model.norm.weight", {hidden});
-    b.Add("lm_head.weight", {vocab, hidden});
+    if (!layout.ActiveTie()) b.Add("lm_head.weight", {vocab, hidden});
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
         "--model describes megatron-core-gpt or hf-llama models; layout \"",

@@ -125,6 +125,16 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
     stage_first[s + 1] = stage_first[s] + p.layers_per_stage_[s];
   }
 
+  const std::optional<Layout::Tie> tie = layout.ActiveTie();
+  if (tie) {
+    if (const TensorInfo* output = m.Find(tie->output)) {
+      return TensorError(
+          *output,
+          absl::StrCat("the model is tied (", tie->when, "=1): ", tie->output,
+                       " is ", tie->input,
+                       ", stored once, so the model must not hold it"));
+    }
+  }
   const int64_t vocab_divisor =
       layout.IntParam("make_vocab_size_divisible_by").value_or(1);
   const std::optional<int64_t> vocab_size = layout.IntParam("vocab_size");
@@ -168,6 +178,10 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
           break;
       }
     }
+    // The tied input embedding: also on the last stage, under the output's
+    // name, when that stage does not hold it already.
+    const bool tied_input = tie && t.name == tie->input && config.pp() > 1;
+    if (tied_input) last_stage = config.pp() - 1;
     std::string local_name = layout.LocalName(t.name, tr, local_layer);
     ASSIGN_OR_RETURN(int64_t full_bytes, TensorBytes(t.shape, t.dtype));
     for (int tp_rank = 0; tp_rank < config.tp(); ++tp_rank) {
@@ -190,13 +204,15 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
         ASSIGN_OR_RETURN(shard.bytes, TensorBytes(shard.local_shape, t.dtype));
       }
       for (int s = first_stage; s <= last_stage; ++s) {
-        if (rule.stage == StagePolicy::kFirstAndLast && !tr.layer &&
-            s != first_stage && s != last_stage) {
+        if ((rule.stage == StagePolicy::kFirstAndLast || tied_input) &&
+            !tr.layer && s != first_stage && s != last_stage) {
           continue;
         }
         Group& g = p.groups_[s * config.tp() + tp_rank];
         ASSIGN_OR_RETURN(g.bytes, CheckedAdd(g.bytes, shard.bytes));
         g.shards.push_back(shard);
+        if (tied_input && s == last_stage)
+          g.shards.back().local_name = tie->output;
       }
     }
   }

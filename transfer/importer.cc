@@ -160,6 +160,9 @@ absl::StatusOr<Model> InferModel(
     for (int p = 0; p < pp; ++p) first[p + 1] = first[p] + counts[p];
   }
   const std::optional<int64_t> vocab_size = layout.IntParam("vocab_size");
+  // A tied model's last stage holds the input embedding under the output's
+  // name: the same tensor, not one of its own.
+  const std::optional<Layout::Tie> tie = layout.ActiveTie();
   Model model;
   std::map<std::string, std::string> first_holder;  // global name -> label
   for (size_t g = 0; g < group_files.size(); ++g) {
@@ -167,6 +170,7 @@ absl::StatusOr<Model> InferModel(
     for (size_t i = 0; i < file.header.tensors().size(); ++i) {
       const SafetensorsEntry& e = file.header.tensors()[i];
       const Seen& s = seen[g][i];
+      if (tie && pp > 1 && e.name == tie->output) continue;
       std::string global_name = e.name;
       if (s.rule.layer && layout.local_layer_numbering()) {
         global_name = absl::StrCat(

@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """rank.json says exactly where each rank's bytes lie (issue 25). For both
-presets, a GPT with SwiGLU (Megatron's fc1 cut in two blocks), GQA and a
-vocabulary padded for tp, imported whole, is mounted and switched through
+presets, a GPT with GQA and a vocabulary padded for tp (Megatron's with
+SwiGLU, its fc1 cut in two blocks; Llama's with tied embeddings, its last
+stage's lm_head.weight being the embedding), imported whole, is mounted and switched through
 at least 100 random configs each (tp 1/2/4, pp 1-4 with uneven stages, dp
 1-3). Under each, every rank's rank.json and tensors/NAME bytes are used to
 rebuild every global tensor: each piece's bytes must equal the full tensor
@@ -26,7 +27,8 @@ CONFIGS = 100
 LAYERS, HEADS, GROUPS, VOCAB = 4, 8, 4, 250
 PRESETS = {
     "megatron-core-gpt": ["--param", "gated_linear_unit=1", "--param", "make_vocab_size_divisible_by=8"],
-    "hf-llama": [],
+    # Tied embeddings: the last stage's lm_head.weight is model.embed_tokens.
+    "hf-llama": ["--param", "tied=1"],
 }
 
 
@@ -86,6 +88,8 @@ def main():
             model = f"layers={LAYERS},hidden=64,heads={HEADS},groups={GROUPS},ffn=128,vocab={VOCAB}"
             if preset == "megatron-core-gpt":
                 model += ",gated_linear_unit=1"
+            else:
+                model += ",tied=1"
             scalai(BIN, "synth", src, "--full", "--layout", preset, "--model", model,
                    "--dtype", "f32", "--seed", "7")
             scalai(BIN, "init", store, "--layout", preset, "--param", f"vocab_size={VOCAB}",
