@@ -412,6 +412,32 @@ std::vector<int> StepWriter::missing() const {
 
 bool StepWriter::complete() const { return missing().empty(); }
 
+absl::Status StepWriter::CompareTiedCopies() const {
+  const std::optional<Layout::Tie> tie = store_.layout().ActiveTie();
+  const Placement& p = *placement_;
+  const int tp = p.config().tp(), pp = p.config().pp();
+  const int t = tie ? p.model().IndexOf(tie->input) : -1;
+  if (t < 0 || pp == 1) return absl::OkStatus();
+  for (int tp_rank = 0; tp_rank < tp; ++tp_rank) {
+    const int first = tp_rank, last = (pp - 1) * tp + tp_rank;
+    const int a = p.ShardIndex(first, t), b = p.ShardIndex(last, t);
+    const int first_rank = p.config().Rank({tp_rank, 0, 0});
+    const int last_rank = p.config().Rank({tp_rank, 0, pp - 1});
+    const ShardFile* fa = valid_[first_rank].get();
+    const ShardFile* fb = valid_[last_rank].get();
+    if (a < 0 || b < 0 || fa == nullptr || fb == nullptr) continue;
+    ASSIGN_OR_RETURN(bool same, SameBytes(fa->Reader(), fa->checked_.offsets[a],
+                                          fb->Reader(), fb->checked_.offsets[b],
+                                          p.shards(first)[a].bytes));
+    if (!same) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Label(last_rank), ": ", tie->output, " differs from ", tie->input,
+          " in ", Label(first_rank), " (tied embeddings must be equal)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status StepWriter::Commit() {
   std::lock_guard<std::mutex> lock(mu_);
   if (committed_) return absl::OkStatus();
@@ -434,6 +460,7 @@ absl::Status StepWriter::Commit() {
   }
   for (const auto& [key, file] : extra_) sealed.push_back(file.get());
   for (ShardFile* f : sealed) f->Seal();
+  RETURN_IF_ERROR(CompareTiedCopies());
   StepRecord record;
   record.step = step_;
   record.config = cfg.ToString();

@@ -178,6 +178,9 @@ class StepWriter {
   absl::StatusOr<ShardFile::Checked> Check(int rank, ShardFile& file);
   // `rank` is a rank of the step's config.
   absl::Status CheckRank(int rank) const;
+  // A tied model's last stage holds the input embedding again (pp > 1):
+  // each tp slice must equal the first stage's. Requires mu_.
+  absl::Status CompareTiedCopies() const;
   // A new file backed by a new blob of the step.
   absl::StatusOr<std::shared_ptr<ShardFile>> NewFile(int rank,
                                                      absl::string_view label,

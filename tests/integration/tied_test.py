@@ -9,10 +9,14 @@ stage's ranks show the output name with exactly the first stage's
 embedding bytes (also under another tp), rank.json names the embedding as
 its global tensor, a pp=1 config shows no output tensor, and `export
 --merged` writes the framework's own tied file: the embedding and no output
-tensor, equal to the unsharded model. Exits 77 only where /dev/fuse is
-missing."""
+tensor, equal to the unsharded model. The two copies must agree: an
+import, or a save through the mount, whose last stage holds a different
+output tensor is refused and commits nothing. Exits 77 only where
+/dev/fuse is missing."""
+import errno
 import glob
 import json
+import shutil
 import os
 import sys
 import tempfile
@@ -22,7 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import Mounts, require_fuse  # noqa
-from reference import read_safetensors, scalai  # noqa
+from reference import read_safetensors, scalai, write_safetensors  # noqa
 
 BIN = sys.argv[1]
 VOCAB = 250
@@ -74,8 +78,36 @@ def main():
             assert out in last and inp not in last, sorted(last)
             scalai(BIN, "init", store, "--layout", preset, "--param", f"vocab_size={VOCAB}",
                    "--param", "tied=1", *params)
+            # The two copies must agree: an import whose last stage differs
+            # is refused, naming both files.
+            bad = f"{d}/bad"
+            shutil.copytree(src, bad)
+            last, meta = read_safetensors(f"{bad}/rank-00002/model.safetensors")
+            last[out] = last[out] + 1
+            write_safetensors(f"{bad}/rank-00002/model.safetensors", last, meta)
+            p = scalai(BIN, "import", store, bad, "--config", "tp=2,pp=2,dp=1", "--step", "100",
+                       expect=1)
+            assert "rank-00002" in p.stderr and "differs from" in p.stderr, p.stderr
+            print(f"{preset}: a last stage whose {out} differs: {p.stderr.strip()}")
             scalai(BIN, "import", store, src, "--config", "tp=2,pp=2,dp=1", "--step", "100")
             scalai(BIN, "mount", store, mounts.add(mnt))
+            # The same through the mount: the step does not commit.
+            for rank in range(4):
+                d200 = f"{mnt}/ckpt/step-00000200/rank-{rank:05d}"
+                os.makedirs(d200)
+                with open(f"{(bad if rank == 2 else src)}/rank-{rank:05d}/model.safetensors",
+                          "rb") as f:
+                    data = f.read()
+                try:
+                    with open(f"{d200}/model.safetensors", "wb") as f:
+                        f.write(data)
+                    assert rank < 3, "a step with differing tied copies committed"
+                except OSError as e:
+                    assert rank == 3 and e.errno == errno.EIO, (rank, e)
+            with open(f"{mnt}/status") as f:
+                assert "tied embeddings must be equal" in json.load(f)["error"]
+            assert os.readlink(f"{mnt}/ckpt/latest") == "step-00000100"
+            shutil.rmtree(f"{mnt}/ckpt/step-00000200")
             for config, tp, pp, dp in (("tp=2,pp=2,dp=1", 2, 2, 1), ("tp=1,pp=2,dp=2", 1, 2, 2),
                                        ("tp=4,pp=4,dp=1", 4, 4, 1), ("tp=2,pp=1,dp=1", 2, 1, 1)):
                 check_views(mnt, config, tp, pp, dp, inp, out)
