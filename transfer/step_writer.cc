@@ -45,8 +45,10 @@ absl::Status ShardFile::Write(const char* data, int64_t size, int64_t offset) {
   if (offset < 0 || size > max_bytes_ || offset > max_bytes_ - size) {
     return absl::OutOfRangeError(absl::StrCat(
         label_, ": a write ending at byte ", offset + size,
-        " passes the largest valid size of this shard, ", max_bytes_,
-        " bytes (its tensors and the largest header)"));
+        " passes the largest valid size of this file, ", max_bytes_,
+        " bytes (a shard: its tensors and the largest header; an extra/ "
+        "file: ",
+        StepWriter::kMaxExtraBytes, ")"));
   }
   RETURN_IF_ERROR(BeginChange());
   absl::Cleanup end = [this] { EndChange(); };
@@ -237,7 +239,7 @@ int64_t StepWriter::ShardLimit(int rank) const {
 absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::OpenExtra(
     int rank, const std::string& path) {
   return NewFile(rank, absl::StrFormat("rank-%05d/extra/%s", rank, path),
-                 std::numeric_limits<int64_t>::max());
+                 kMaxExtraBytes);
 }
 
 absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::NewFile(

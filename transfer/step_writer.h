@@ -146,7 +146,11 @@ class StepWriter {
   // The rank's file was removed: the step waits for a new one.
   void Forget(int rank);
 
-  // A new, empty rank-R/extra/`path` (an opaque file: RNG state, args).
+  // The largest extra/ file: every byte of it is hashed at close and copied
+  // by export, so a write far past it (a sparse terabyte) is refused.
+  static constexpr int64_t kMaxExtraBytes = int64_t{4} << 30;
+  // A new, empty rank-R/extra/`path` (an opaque file: RNG state, args), of
+  // at most kMaxExtraBytes.
   absl::StatusOr<std::shared_ptr<ShardFile>> OpenExtra(int rank,
                                                        const std::string& path);
   // Its writer closed it: it is part of the step when the step commits, in

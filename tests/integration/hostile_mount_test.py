@@ -5,6 +5,8 @@ or lets it commit a step it cannot serve (issue 26). On one mount:
   extra/ or as a step directory (EINVAL; the catalog keeps names in JSON),
   and `status` stays valid JSON; a dataset name or file path that is not
   UTF-8 is refused by `scalai dataset add`;
+- a write at 1 TiB into an extra/ file: EFBIG (extra/ files are at most
+  4 GiB), and its close is quick;
 - absurd configs: a degree past the documented bound (dp=16777216) and a
   config within it whose views would exceed the mount's size bound are
   refused with EINVAL before anything is allocated, and `status` says why;
@@ -124,6 +126,14 @@ def hostile_input(tmp, mounts):
           lambda: os.mkdir(f"{mnt}/ckpt/".encode() + b"step-\xff\xff"))
     assert "UTF-8" in status(mnt)["error"] or "step-" in status(mnt)["error"], status(mnt)
     os.makedirs(extra.decode() + "/caf\u00e9")  # valid UTF-8 is a fine name
+    # A sparse terabyte in extra/ would be hashed whole at close (the fuzz
+    # test found the mount busy for minutes): refused at the write.
+    fd = os.open(extra + b"/state.bin", os.O_WRONLY | os.O_CREAT)
+    fails("a write at 1 TiB into an extra/ file", errno.EFBIG, lambda: os.pwrite(fd, b"x", 1 << 40))
+    try:
+        os.close(fd)  # reports the failed write again, at once
+    except OSError as e:
+        assert e.errno == errno.EINVAL, e
     print("bytes that are not UTF-8 as a config or a name: EINVAL; status stays valid JSON")
 
     tensors = {r: read_safetensors(f"{src}/rank-{r:05d}/model.safetensors")[0] for r in (0, 1)}
