@@ -203,17 +203,28 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
         shard.pieces = std::move(split.pieces);
         ASSIGN_OR_RETURN(shard.bytes, TensorBytes(shard.local_shape, t.dtype));
       }
+      TiedCopy copy;
       for (int s = first_stage; s <= last_stage; ++s) {
         if ((rule.stage == StagePolicy::kFirstAndLast || tied_input) &&
             !tr.layer && s != first_stage && s != last_stage) {
           continue;
         }
-        Group& g = p.groups_[s * config.tp() + tp_rank];
+        const int group = s * config.tp() + tp_rank;
+        Group& g = p.groups_[group];
         ASSIGN_OR_RETURN(g.bytes, CheckedAdd(g.bytes, shard.bytes));
         g.shards.push_back(shard);
-        if (tied_input && s == last_stage)
+        // Shards are appended in model order and never move.
+        const int index = static_cast<int>(g.shards.size()) - 1;
+        if (tied_input && s == first_stage) {
+          copy.input_group = group;
+          copy.input_shard = index;
+        } else if (tied_input && s == last_stage) {
           g.shards.back().local_name = tie->output;
+          copy.output_group = group;
+          copy.output_shard = index;
+        }
       }
+      if (tied_input) p.tied_copies_.push_back(copy);
     }
   }
   return p;

@@ -72,6 +72,18 @@ class Placement {
   int ShardIndex(int group, int tensor) const;
   int64_t group_bytes(int group) const { return groups_[group].bytes; }
 
+  // A tied model's two copies of one tp slice of its input embedding
+  // (pp > 1, Layout::ActiveTie): the first stage's, and the last stage's
+  // under the output's name, each as (group, index in shards(group)). They
+  // must hold equal bytes.
+  struct TiedCopy {
+    int input_group = 0;
+    int input_shard = 0;
+    int output_group = 0;
+    int output_shard = 0;
+  };
+  const std::vector<TiedCopy>& tied_copies() const { return tied_copies_; }
+
  private:
   struct Group {
     std::vector<TensorShard> shards;
@@ -82,6 +94,7 @@ class Placement {
   int64_t num_layers_ = 0;
   std::vector<int64_t> layers_per_stage_;
   std::vector<Group> groups_;
+  std::vector<TiedCopy> tied_copies_;
 };
 
 }  // namespace scalai

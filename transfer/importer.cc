@@ -244,28 +244,25 @@ absl::Status ListFiles(const std::string& dir, const std::string& prefix,
 
 // A tied model's last stage holds the input embedding again (pp > 1): each
 // tp slice must equal the first stage's, or a later view could take either.
-absl::Status CompareTiedCopies(const Layout& layout, const Placement& p,
+absl::Status CompareTiedCopies(const Placement& p,
                                const std::vector<SourceFile>& files,
                                const std::vector<ShardRecord>& groups) {
-  const std::optional<Layout::Tie> tie = layout.ActiveTie();
-  const int tp = p.config().tp(), pp = p.config().pp();
-  const int t = tie ? p.model().IndexOf(tie->input) : -1;
-  if (t < 0 || pp == 1) return absl::OkStatus();
-  for (int tp_rank = 0; tp_rank < tp; ++tp_rank) {
-    const int first = tp_rank, last = (pp - 1) * tp + tp_rank;
-    const int a = p.ShardIndex(first, t), b = p.ShardIndex(last, t);
-    if (a < 0 || b < 0) continue;
-    ASSIGN_OR_RETURN(MappedFile fa, MappedFile::Open(files[first].path));
-    ASSIGN_OR_RETURN(MappedFile fb, MappedFile::Open(files[last].path));
-    const int64_t bytes = p.shards(first)[a].bytes;
-    const int64_t at_a = groups[first].tensors[a].offset;
-    const int64_t at_b = groups[last].tensors[b].offset;
+  for (const Placement::TiedCopy& c : p.tied_copies()) {
+    const SourceFile& in = files[c.input_group];
+    const SourceFile& out = files[c.output_group];
+    ASSIGN_OR_RETURN(MappedFile fa, MappedFile::Open(in.path));
+    ASSIGN_OR_RETURN(MappedFile fb, MappedFile::Open(out.path));
+    const int64_t bytes = p.shards(c.input_group)[c.input_shard].bytes;
+    const int64_t at_a = groups[c.input_group].tensors[c.input_shard].offset;
+    const int64_t at_b = groups[c.output_group].tensors[c.output_shard].offset;
     if (at_a + bytes > fa.size() || at_b + bytes > fb.size() ||
         std::memcmp(fa.data() + at_a, fb.data() + at_b, bytes) != 0) {
       return UserError(
-          files[last].label,
-          absl::StrCat(tie->output, " differs from ", tie->input, " in ",
-                       files[first].label, " (tied embeddings must be equal)"));
+          out.label,
+          absl::StrCat(p.shards(c.output_group)[c.output_shard].local_name,
+                       " differs from ",
+                       p.shards(c.input_group)[c.input_shard].local_name,
+                       " in ", in.label, " (tied embeddings must be equal)"));
     }
   }
   return absl::OkStatus();
@@ -351,8 +348,7 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
     for (std::string& path : paths)
       plan.extras.push_back({rank, path, extra + "/" + path});
   }
-  RETURN_IF_ERROR(
-      CompareTiedCopies(store.layout(), *placement, group_files, plan.groups));
+  RETURN_IF_ERROR(CompareTiedCopies(*placement, group_files, plan.groups));
   plan.step_in_metadata = MetadataCount(group_files[0].header, "scalai.step");
   plan.consumed_samples =
       MetadataCount(group_files[0].header, "scalai.consumed_samples");

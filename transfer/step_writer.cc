@@ -415,26 +415,28 @@ std::vector<int> StepWriter::missing() const {
 bool StepWriter::complete() const { return missing().empty(); }
 
 absl::Status StepWriter::CompareTiedCopies() const {
-  const std::optional<Layout::Tie> tie = store_.layout().ActiveTie();
   const Placement& p = *placement_;
-  const int tp = p.config().tp(), pp = p.config().pp();
-  const int t = tie ? p.model().IndexOf(tie->input) : -1;
-  if (t < 0 || pp == 1) return absl::OkStatus();
-  for (int tp_rank = 0; tp_rank < tp; ++tp_rank) {
-    const int first = tp_rank, last = (pp - 1) * tp + tp_rank;
-    const int a = p.ShardIndex(first, t), b = p.ShardIndex(last, t);
-    const int first_rank = p.config().Rank({tp_rank, 0, 0});
-    const int last_rank = p.config().Rank({tp_rank, 0, pp - 1});
-    const ShardFile* fa = valid_[first_rank].get();
-    const ShardFile* fb = valid_[last_rank].get();
-    if (a < 0 || b < 0 || fa == nullptr || fb == nullptr) continue;
-    ASSIGN_OR_RETURN(bool same, SameBytes(fa->Reader(), fa->checked_.offsets[a],
-                                          fb->Reader(), fb->checked_.offsets[b],
-                                          p.shards(first)[a].bytes));
+  // The rank with dp_rank 0 of a group.
+  auto rank_of = [&](int group) {
+    return config().Rank({group % config().tp(), 0, group / config().tp()});
+  };
+  for (const Placement::TiedCopy& c : p.tied_copies()) {
+    const int in_rank = rank_of(c.input_group);
+    const int out_rank = rank_of(c.output_group);
+    const ShardFile* in = valid_[in_rank].get();
+    const ShardFile* out = valid_[out_rank].get();
+    if (in == nullptr || out == nullptr) continue;
+    ASSIGN_OR_RETURN(
+        bool same,
+        SameBytes(in->Reader(), in->checked_.offsets[c.input_shard],
+                  out->Reader(), out->checked_.offsets[c.output_shard],
+                  p.shards(c.input_group)[c.input_shard].bytes));
     if (!same) {
       return absl::InvalidArgumentError(absl::StrCat(
-          Label(last_rank), ": ", tie->output, " differs from ", tie->input,
-          " in ", Label(first_rank), " (tied embeddings must be equal)"));
+          Label(out_rank), ": ",
+          p.shards(c.output_group)[c.output_shard].local_name, " differs from ",
+          p.shards(c.input_group)[c.input_shard].local_name, " in ",
+          Label(in_rank), " (tied embeddings must be equal)"));
     }
   }
   return absl::OkStatus();
