@@ -29,7 +29,6 @@
 #include "fs/save_area.h"
 #include "nlohmann/json.hpp"
 #include "ptc/status_macros.h"
-#include "transfer/materializer.h"
 
 namespace scalai {
 namespace fuse {
@@ -64,7 +63,7 @@ struct stat Attr(Server& s, const Tree& tree, const Node& n) {
   st.st_uid = s.uid;
   st.st_gid = s.gid;
   st.st_size =
-      n.live ? static_cast<off_t>(s.StatusText().size()) : tree.SizeOf(n);
+      n.live ? static_cast<off_t>(s.job->StatusText().size()) : tree.SizeOf(n);
   st.st_blksize = kMaxIo;
   st.st_blocks = (st.st_size + 511) / 512;
   st.st_atim = st.st_mtim = st.st_ctim = s.start;
@@ -118,15 +117,14 @@ fuse_entry_param Entry(Server& s, const Tree& tree, const Node& n) {
 // Reads of a dataset whose source file changed fail; `status` says which.
 void ReportDataLoss(Server& s, const absl::Status& status) {
   if (status.code() != absl::StatusCode::kDataLoss) return;
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.error = std::string(status.message());
+  s.job->ReportError(status.message());
 }
 
 void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   if (RefuseLongName(req, name)) return;
   Server& s = Get(req);
   if (SaveArea::Owns(parent)) {
-    std::optional<SaveNode> n = s.saves->Lookup(parent, name);
+    std::optional<SaveNode> n = s.job->saves().Lookup(parent, name);
     if (!n) {
       fuse_reply_err(req, ENOENT);
       return;
@@ -135,7 +133,7 @@ void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
     fuse_reply_entry(req, &e);
     return;
   }
-  std::shared_ptr<const Tree> tree = s.TreeOf(parent);
+  std::shared_ptr<const Tree> tree = s.job->TreeOf(parent);
   absl::StatusOr<const Node*> n =
       tree ? tree->Enter(parent, name) : absl::StatusOr<const Node*>(nullptr);
   if (!n.ok()) {
@@ -147,7 +145,8 @@ void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
     // In ckpt/, a step being saved.
     const Node* dir = tree ? tree->Get(parent) : nullptr;
     std::optional<SaveNode> step;
-    if (dir != nullptr && IsCkptDir(*dir)) step = s.saves->LookupStep(name);
+    if (dir != nullptr && IsCkptDir(*dir))
+      step = s.job->saves().LookupStep(name);
     if (!step) {
       fuse_reply_err(req, ENOENT);
       return;
@@ -163,7 +162,7 @@ void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
 void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
   Server& s = Get(req);
   if (SaveArea::Owns(ino)) {
-    std::optional<SaveNode> n = s.saves->Get(ino);
+    std::optional<SaveNode> n = s.job->saves().Get(ino);
     if (!n) {
       fuse_reply_err(req, ENOENT);
       return;
@@ -172,7 +171,7 @@ void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
     fuse_reply_attr(req, &st, 0);
     return;
   }
-  auto [tree, n] = s.Find(ino);
+  auto [tree, n] = s.job->Find(ino);
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
     return;
@@ -182,7 +181,7 @@ void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
 }
 
 void OnReadlink(fuse_req_t req, fuse_ino_t ino) {
-  auto [tree, n] = Get(req).Find(ino);
+  auto [tree, n] = Get(req).job->Find(ino);
   if (n == nullptr || n->kind != NodeKind::kSymlink) {
     fuse_reply_err(req, EINVAL);
     return;
@@ -211,13 +210,7 @@ constexpr auto kReapGrace = std::chrono::milliseconds(300);
 // blobs. Open nodes, and directories above them, stay until a later pass:
 // each switch and each release of an old handle starts one.
 void ReapOldTrees(Server& s) {
-  std::vector<std::shared_ptr<const Tree>> old;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    for (const auto& [generation, tree] : s.trees) {
-      if (generation < s.current->generation()) old.push_back(tree);
-    }
-  }
+  std::vector<std::shared_ptr<const Tree>> old = s.job->OlderTrees();
   if (old.empty()) return;
   Notify(s, [&s, old = std::move(old)] {
     std::this_thread::sleep_for(kReapGrace);
@@ -238,18 +231,18 @@ DirEntry ListedSave(const SaveNode& n) {
 void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   Server& s = Get(req);
   if (SaveArea::Owns(ino)) {
-    if (!s.saves->Get(ino)) {
+    if (!s.job->saves().Get(ino)) {
       fuse_reply_err(req, ENOENT);
       return;
     }
     std::vector<DirEntry> entries;
-    for (const SaveNode& n : s.saves->Children(ino))
+    for (const SaveNode& n : s.job->saves().Children(ino))
       entries.push_back(ListedSave(n));
     fi->fh = reinterpret_cast<uint64_t>(new Handle(ino, std::move(entries)));
     if (fuse_reply_open(req, fi) != 0) delete HandleOf(fi);
     return;
   }
-  auto [tree, n] = s.Find(ino);
+  auto [tree, n] = s.job->Find(ino);
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
   } else if (n->kind != NodeKind::kDir) {
@@ -259,7 +252,7 @@ void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     std::vector<DirEntry> entries;
     for (int64_t i = 0; i < tree->EntryCount(*n); ++i)
       entries.push_back(tree->EntryAt(*n, i));
-    for (const SaveNode& step : s.saves->Steps())
+    for (const SaveNode& step : s.job->saves().Steps())
       entries.push_back(ListedSave(step));
     std::sort(
         entries.begin(), entries.end(),
@@ -340,22 +333,14 @@ void OnReaddirplus(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
   ReplyDir(req, size, offset, fi, /*plus=*/true);
 }
 
-void Forget(Server& s, uint64_t ino, uint64_t nlookup) {
-  std::shared_ptr<const Tree> tree = s.TreeOf(ino);
-  if (tree == nullptr) return;
-  tree->Forget(ino, nlookup);
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.RetireIfUnused(tree);
-}
-
 void OnForget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) {
-  Forget(Get(req), ino, nlookup);
+  Get(req).job->Forget(ino, nlookup);
   fuse_reply_none(req);
 }
 
 void OnForgetMulti(fuse_req_t req, size_t count, fuse_forget_data* forgets) {
   for (size_t i = 0; i < count; ++i) {
-    Forget(Get(req), forgets[i].ino, forgets[i].nlookup);
+    Get(req).job->Forget(forgets[i].ino, forgets[i].nlookup);
   }
   fuse_reply_none(req);
 }
@@ -367,7 +352,7 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     OpenSaved(req, ino, fi, writing);
     return;
   }
-  auto [tree, n] = Get(req).Find(ino);
+  auto [tree, n] = Get(req).job->Find(ino);
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
   } else if (n->kind == NodeKind::kDir) {
@@ -379,7 +364,7 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     // A save of a committed step's shard (a replica that closes after the
     // commit, a repeated save): accepted only if identical.
     absl::StatusOr<std::shared_ptr<ShardFile>> scratch = ShardFile::Scratch(
-        Get(req).store->blob_dir(),
+        Get(req).job->store().blob_dir(),
         ShardFile::SizeLimit(n->size - static_cast<int64_t>(n->text.size())));
     if (!scratch.ok()) {
       fuse_reply_err(req, ToErrno(scratch.status()));
@@ -392,7 +377,7 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     fuse_reply_err(req, EACCES);
   } else {
     fi->fh = reinterpret_cast<uint64_t>(
-        new Handle(tree, n, n->live ? Get(req).StatusText() : ""));
+        new Handle(tree, n, n->live ? Get(req).job->StatusText() : ""));
     if (Volatile(*n)) {
       fi->direct_io = 1;
     } else if (n->data != DataFile::kSample && n->data != DataFile::kStream) {
@@ -410,7 +395,7 @@ void OnRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
   Server& s = Get(req);
   const bool old =
       HandleOf(fi)->tree != nullptr &&
-      HandleOf(fi)->tree->generation() < s.TreeOf(kRootIno)->generation();
+      HandleOf(fi)->tree->generation() < s.job->TreeOf(kRootIno)->generation();
   delete HandleOf(fi);
   fuse_reply_err(req, 0);
   if (old) ReapOldTrees(s);
@@ -455,10 +440,11 @@ void OnSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
     // A file being saved may be emptied (O_TRUNC without atomic truncation);
     // modes and times are accepted and not kept. ftruncate empties the
     // file its handle writes; truncate, the one the name has now.
-    std::optional<SaveNode> n = s.saves->Get(ino);
+    std::optional<SaveNode> n = s.job->saves().Get(ino);
     std::shared_ptr<ShardFile> file =
-        fi != nullptr && HandleOf(fi)->file != nullptr ? HandleOf(fi)->file
-                                                       : s.saves->FileOf(ino);
+        fi != nullptr && HandleOf(fi)->file != nullptr
+            ? HandleOf(fi)->file
+            : s.job->saves().FileOf(ino);
     if (!n) {
       fuse_reply_err(req, ENOENT);
       return;
@@ -480,7 +466,7 @@ void OnSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
     fuse_reply_attr(req, &st, 0);
     return;
   }
-  auto [tree, n] = s.Find(ino);
+  auto [tree, n] = s.job->Find(ino);
   if (n == nullptr) {
     fuse_reply_err(req, ENOENT);
     return;
@@ -501,15 +487,6 @@ void OnSetattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
   fuse_reply_attr(req, &st, 0);
 }
 
-// The names in the root of the current tree. Requires mu.
-std::vector<std::string> RootNames(const Server& s) {
-  std::vector<std::string> names;
-  for (uint64_t c : s.current->Get(kRootIno)->children) {
-    names.push_back(s.current->Get(c)->name);
-  }
-  return names;
-}
-
 // Tells the kernel to forget the root's entries, so that the next path walk
 // finds the new generation.
 void InvalidateRoot(Server& s, std::vector<std::string> names) {
@@ -520,109 +497,6 @@ void InvalidateRoot(Server& s, std::vector<std::string> names) {
     }
     fuse_lowlevel_notify_inval_inode(s.session, kRootIno, 0, 0);
   });
-}
-
-// Makes `tree` the one new opens see. Requires mu. The tree it replaces
-// stays: a lookup in the root may be on its way to it right now. Returns the
-// older trees, for the caller to drop once it has unlocked.
-std::vector<std::shared_ptr<const Tree>> Switch(
-    Server& s, std::shared_ptr<const Tree> tree) {
-  const uint64_t replaced = s.current->generation();
-  s.trees[tree->generation()] = tree;
-  s.current = std::move(tree);
-  std::vector<std::shared_ptr<const Tree>> older;
-  for (const auto& [generation, t] : s.trees) {
-    if (generation < replaced) older.push_back(t);
-  }
-  for (const auto& t : older) s.RetireIfUnused(t);
-  return older;
-}
-
-// Writes the current config's shards into new blobs, commits them and
-// switches to a tree that reads from them. Runs on a worker thread; a newer
-// switch cancels it.
-void Materialize(Server& s, const ParallelConfig& target,
-                 const std::atomic<bool>& cancel) {
-  Materialization::Options options;
-  options.cancel = &cancel;
-  options.progress = [&s, &cancel](int64_t done, int64_t total) {
-    if (cancel.load()) return;  // the newer worker owns the counters
-    s.to_move = total;
-    s.moved = done;
-  };
-  absl::StatusOr<Materialization> m =
-      Materialization::Write(*s.store, target, options);
-  // Dropped after unlocking (see RetireIfUnused).
-  std::shared_ptr<const Tree> replaced;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    if (cancel.load()) return;  // superseded: the newer worker reports
-    s.materializing = false;
-    absl::Status result = m.status();
-    if (result.ok() && m->steps() > 0) {
-      result = m->Commit(*s.store);
-      absl::StatusOr<std::unique_ptr<Tree>> same = absl::InternalError("");
-      if (result.ok()) {
-        // The same views, now read from the new blobs: the generation and
-        // its inodes stay, so the kernel's caches stay valid.
-        same = Tree::Rebuild(*s.store, *s.current);
-        result = same.status();
-      }
-      if (result.ok()) {
-        replaced = std::exchange(s.current,
-                                 std::shared_ptr<const Tree>(std::move(*same)));
-        s.trees[s.current->generation()] = s.current;
-      }
-    }
-    if (result.ok()) {
-      s.to_move = m->bytes_planned();
-      s.moved = m->bytes_written();
-    } else {
-      // The views keep reading from the old shards: correct, only slower.
-      // `moved` and `to_move` stay where the copy stopped.
-      s.materialization_failed = true;
-      s.error = absl::StrCat("materialization of ", target.ToString(),
-                             " failed: ", result.message());
-    }
-  }
-}
-
-// Starts materializing the current config, superseding a running worker.
-// Requires mu.
-void StartMaterialization(Server& s) {
-  if (s.cancel) s.cancel->store(true);
-  auto cancel = std::make_shared<std::atomic<bool>>(false);
-  s.cancel = cancel;
-  s.materializing = true;
-  s.materialization_failed = false;
-  s.moved = 0;
-  s.to_move = 0;
-  s.worker = std::thread([&s, cancel, target = s.current->config(),
-                          previous = std::move(s.worker)]() mutable {
-    if (previous.joinable()) previous.join();
-    try {
-      Materialize(s, target, *cancel);
-    } catch (const std::exception& e) {
-      // As in Guarded: a bug must not take the mount down.
-      std::lock_guard<std::mutex> lock(s.mu);
-      if (!cancel->load()) {
-        s.materializing = false;
-        s.materialization_failed = true;
-        s.error = absl::StrCat("materialization failed: ", e.what());
-      }
-    }
-  });
-}
-
-// Cancels and joins the workers; the views stay correct without them.
-void StopMaterialization(Server& s) {
-  std::thread worker;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    if (s.cancel) s.cancel->store(true);
-    worker = std::move(s.worker);
-  }
-  if (worker.joinable()) worker.join();
 }
 
 // Writing a config switches every view at once, or changes nothing and says
@@ -643,8 +517,7 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
       h.dirty = true;
       if (w.code() == absl::StatusCode::kOutOfRange) {
         // Past the largest valid shard: refused before a byte is written.
-        std::lock_guard<std::mutex> lock(s.mu);
-        s.error = std::string(w.message());
+        s.job->ReportError(w.message());
       }
       fuse_reply_err(
           req, w.code() == absl::StatusCode::kOutOfRange ? EFBIG : ToErrno(w));
@@ -659,45 +532,23 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
     return;
   }
   (void)ino;
-  std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
-  absl::Status result = [&]() -> absl::Status {
-    if (offset != 0) {
-      return absl::InvalidArgumentError(
-          "write the whole config at once, from offset 0");
-    }
-    auto config = ParallelConfig::Parse(absl::string_view(data, size));
-    if (!config.ok()) return config.status();
-    std::lock_guard<std::mutex> lock(s.mu);
-    if (*config == s.current->config()) {
-      // The same config again retries a failed materialization (space
-      // freed, a blob restored); otherwise it changes nothing.
-      if (s.materialization_failed) StartMaterialization(s);
-      return absl::OkStatus();
-    }
-    if (s.current->generation() >= Tree::kMaxGeneration) {
-      return absl::ResourceExhaustedError(
-          "this mount has run out of generations: unmount and mount again");
-    }
-    auto next = Tree::Build(*s.store, *config, s.current->generation() + 1);
-    if (!next.ok()) return next.status();
-    RETURN_IF_ERROR(s.store->SetCurrentConfig(*config));
-    retired = Switch(s, std::shared_ptr<const Tree>(std::move(*next)));
-    StartMaterialization(s);
-    return absl::OkStatus();
-  }();
-  std::vector<std::string> names;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.error = result.ok() ? "" : std::string(result.message());
-    names = RootNames(s);
+  absl::Status result =
+      offset != 0 ? absl::InvalidArgumentError(
+                        "write the whole config at once, from offset 0")
+                  : absl::OkStatus();
+  absl::StatusOr<ParallelConfig> config =
+      ParallelConfig::Parse(absl::string_view(data, size));
+  if (result.ok()) result = config.status();
+  if (result.ok()) {
+    result = s.job->Reconfigure(*config);  // reports its own refusal
+  } else {
+    s.job->ReportError(result.message());
   }
   if (!result.ok()) {
     fuse_reply_err(req, EINVAL);
     return;
   }
   fuse_reply_write(req, size);
-  InvalidateRoot(s, std::move(names));
-  ReapOldTrees(s);
 }
 
 // No exception may leave a FUSE handler: it would end the process, and
@@ -713,11 +564,8 @@ struct Guarded<Handler> {
     try {
       Handler(req, args...);
     } catch (const std::exception& e) {
-      Server& s = Get(req);
-      {
-        std::lock_guard<std::mutex> lock(s.mu);
-        s.error = absl::StrCat("internal error, request refused: ", e.what());
-      }
+      Get(req).job->ReportError(
+          absl::StrCat("internal error, request refused: ", e.what()));
       fuse_reply_err(req, EIO);
     }
   }
@@ -726,14 +574,19 @@ struct Guarded<Handler> {
 absl::Status Serve(Store& store, std::unique_ptr<Tree> tree,
                    const MountOptions& options) {
   Server server;
-  server.store = &store;
   server.uid = getuid();
   server.gid = getgid();
   clock_gettime(CLOCK_REALTIME, &server.start);
-  server.current = std::shared_ptr<const Tree>(std::move(tree));
-  server.saves = std::make_unique<SaveArea>(store);
-  server.keep_steps = options.keep_steps;
-  server.trees[server.current->generation()] = server.current;
+  Job::Options job_options;
+  job_options.keep_steps = options.keep_steps;
+  // After a switch the next path walk must find the new generation, and the
+  // older trees' inodes are reported gone.
+  job_options.on_switch = [&server](std::vector<std::string> names) {
+    InvalidateRoot(server, std::move(names));
+    ReapOldTrees(server);
+  };
+  Job job(store, std::move(tree), std::move(job_options));
+  server.job = &job;
   fuse_lowlevel_ops ops = {};
   ops.init = OnInit;
   ops.lookup = Guarded<OnLookup>::Run;
@@ -783,16 +636,13 @@ absl::Status Serve(Store& store, std::unique_ptr<Tree> tree,
   }
   absl::Cleanup unmount = [se] { fuse_session_unmount(se); };
   if (options.on_ready) options.on_ready();
-  {
-    // A store whose steps are not yet stored under its config (switched by
-    // `mount --config`, or a materialization cut short) catches up now.
-    std::lock_guard<std::mutex> lock(server.mu);
-    StartMaterialization(server);
-  }
-  absl::Cleanup stop = [&server] {
-    StopMaterialization(server);
+  // A store whose steps are not yet stored under its config (switched by
+  // `mount --config`, or a materialization cut short) catches up now.
+  job.StartMaterialization();
+  absl::Cleanup stop = [&server, &job] {
+    job.StopMaterialization();
     // Steps not committed are discarded: their blobs go now.
-    server.saves->Clear();
+    job.saves().Clear();
     while (server.notifying.load() > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "fs/job.h"
 #include "fs/save_area.h"
 #include "fs/tree.h"
 #include "nlohmann/json.hpp"
@@ -34,96 +35,16 @@ namespace scalai::fuse {
 // Large requests are what make FUSE fast: one request per MiB.
 inline constexpr unsigned kMaxIo = 1 << 20;
 
-// The state shared by all FUSE threads and the materialization workers.
-// Lock order: mu only. Every catalog change happens under mu, so a tree is
-// always built from one consistent set of records.
+// What the FUSE threads share: the job they present, and what only the
+// adapter needs (the session, the owner, the notifications in flight).
 struct Server {
-  Store* store;
-  std::unique_ptr<SaveArea> saves;  // steps being saved; thread-safe
-  int keep_steps = 0;               // 0: keep every step
+  Job* job;
   uid_t uid;
   gid_t gid;
   timespec start;
   fuse_session* session = nullptr;
-  std::mutex mu;
-  std::shared_ptr<const Tree> current;  // guarded by mu
-  // Trees the kernel may still name inodes of, by generation; guarded by mu.
-  std::map<uint64_t, std::shared_ptr<const Tree>> trees;
-  std::string error;  // guarded by mu
-
-  // The newest materialization worker and its cancel flag; guarded by mu.
-  // Each worker joins the one it superseded, so joining the newest joins all.
-  std::thread worker;
-  std::shared_ptr<std::atomic<bool>> cancel;
-  bool materializing = false;  // guarded by mu
-  // The last materialization failed (a damaged source, a full disk): the
-  // views read from the stored shards until the same config is written
-  // again, which retries it. Guarded by mu.
-  bool materialization_failed = false;
-  // Bytes written and to write by the running (or last) materialization.
-  std::atomic<int64_t> moved{0};
-  std::atomic<int64_t> to_move{0};
   // Invalidation threads still running; the session outlives them.
   std::atomic<int> notifying{0};
-
-  // The tree that owns `ino`: the current one for the root.
-  std::shared_ptr<const Tree> TreeOf(uint64_t ino) {
-    std::lock_guard<std::mutex> lock(mu);
-    if (ino == kRootIno) return current;
-    auto it = trees.find(Tree::GenerationOf(ino));
-    return it == trees.end() ? nullptr : it->second;
-  }
-  // The node `ino` names, with the tree that keeps it alive; `node` is null
-  // when no live tree has it.
-  struct Found {
-    std::shared_ptr<const Tree> tree;
-    const Node* node = nullptr;
-  };
-  Found Find(uint64_t ino) {
-    Found f{TreeOf(ino)};
-    if (f.tree != nullptr) f.node = f.tree->Get(ino);
-    return f;
-  }
-
-  // Lets go of an old tree once the kernel names none of its inodes: no
-  // lookup is left, so no file of it is open either. Requires mu. The
-  // caller holds `tree` until it has unlocked: the last reference closes
-  // the tree's blob mappings, and for blobs already unlinked that is when
-  // the filesystem frees their space, which is slow.
-  void RetireIfUnused(const std::shared_ptr<const Tree>& tree) {
-    if (tree != nullptr && tree != current && tree->total_lookups() == 0) {
-      trees.erase(tree->generation());
-    }
-  }
-
-  std::string StatusText() {
-    std::lock_guard<std::mutex> lock(mu);
-    const int64_t done = moved.load();
-    const int64_t total = to_move.load();
-    double progress = 1.0;
-    if (materializing || materialization_failed) {
-      progress = total > 0 ? static_cast<double>(done) / total : 0.0;
-    }
-    const char* state = materializing            ? "materializing"
-                        : materialization_failed ? "failed"
-                                                 : "ready";
-    nlohmann::json j = {{"generation", current->generation()},
-                        {"config", current->config().ToString()},
-                        {"state", state},
-                        {"progress", progress},
-                        {"error", nullptr},
-                        {"bytes_to_move", total},
-                        {"bytes_moved", done}};
-    if (!error.empty()) j["error"] = error;
-    // Steps being saved, and the dp_rank 0 ranks each still waits for.
-    j["saving"] = nlohmann::json::array();
-    for (const auto& [step, missing] : saves->Pending())
-      j["saving"].push_back({{"step", step}, {"waiting_for", missing}});
-    // An error may quote bytes that are not UTF-8 (a name a client chose):
-    // they are replaced rather than thrown over.
-    return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) +
-           "\n";
-  }
 };
 
 inline Server& Get(fuse_req_t req) {
@@ -200,16 +121,8 @@ inline bool IsCkptDir(const Node& n) {
 // Of fuse_server.cc, for the save handlers.
 // Tells the kernel that the inodes of older generations are gone.
 void ReapOldTrees(Server& s);
-// The names in the root of the current tree. Requires mu.
-std::vector<std::string> RootNames(const Server& s);
 // Tells the kernel to forget the root's entries.
 void InvalidateRoot(Server& s, std::vector<std::string> names);
-// Makes `tree` the one new opens see. Requires mu. Returns the older trees,
-// for the caller to drop once it has unlocked.
-std::vector<std::shared_ptr<const Tree>> Switch(
-    Server& s, std::shared_ptr<const Tree> tree);
-// Starts materializing the current config. Requires mu.
-void StartMaterialization(Server& s);
 
 // Of save_handlers.cc.
 struct stat SaveAttr(Server& s, const SaveNode& n);

@@ -44,8 +44,7 @@ fuse_entry_param SaveEntry(Server& s, const SaveNode& n) {
 
 // A refused save says why in `status` too: the writer's errno cannot.
 void ReportSaveError(Server& s, const absl::Status& status) {
-  std::lock_guard<std::mutex> lock(s.mu);
-  s.error = std::string(status.message());
+  s.job->ReportError(status.message());
 }
 
 // A file being saved: written straight into its blob, so never through the
@@ -53,7 +52,7 @@ void ReportSaveError(Server& s, const absl::Status& status) {
 void OpenSaved(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi,
                bool writing) {
   Server& s = Get(req);
-  std::optional<SaveNode> n = s.saves->Get(ino);
+  std::optional<SaveNode> n = s.job->saves().Get(ino);
   if (!n) {
     fuse_reply_err(req, ENOENT);
     return;
@@ -68,9 +67,10 @@ void OpenSaved(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi,
     fuse_reply_err(req, EROFS);
     return;
   }
-  std::shared_ptr<ShardFile> file = s.saves->FileOf(ino);
+  std::shared_ptr<ShardFile> file = s.job->saves().FileOf(ino);
   if (writing && (fi->flags & O_TRUNC)) {
-    absl::StatusOr<std::shared_ptr<ShardFile>> fresh = s.saves->Rewrite(ino);
+    absl::StatusOr<std::shared_ptr<ShardFile>> fresh =
+        s.job->saves().Rewrite(ino);
     if (!fresh.ok()) {
       fuse_reply_err(req, ToErrno(fresh.status()));
       return;
@@ -86,67 +86,15 @@ void OpenSaved(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi,
   if (fuse_reply_open(req, fi) != 0) delete HandleOf(fi);
 }
 
-// Drops the oldest steps beyond --keep-steps, sparing any step a handle of
-// any generation has open. Requires mu.
-void ApplyRetention(Server& s) {
-  if (s.keep_steps <= 0) return;
-  absl::StatusOr<std::vector<StepRecord>> steps = s.store->Steps();
-  if (!steps.ok()) return;
-  // Steps are in step order: all but the newest keep_steps go.
-  const int64_t older = static_cast<int64_t>(steps->size()) - s.keep_steps;
-  for (int64_t i = 0; i < older; ++i) {
-    const int64_t step = (*steps)[i].step;
-    bool open = false;
-    for (const auto& [generation, tree] : s.trees) open |= tree->StepOpen(step);
-    if (open) continue;  // a later commit tries again
-    if (absl::Status d = s.store->DeleteStep(step); !d.ok()) {
-      s.error = absl::StrCat("retention: ", d.message());
-      return;
-    }
-  }
-}
-
-// Commits a step whose every dp_rank 0 rank has a valid shard, applies the
-// retention, and switches new opens to a tree that shows it: `latest`
-// moves, and the data views follow the new position.
-absl::Status PublishStep(Server& s, int64_t step) {
-  std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
-  std::vector<std::string> names;
-  {
-    std::lock_guard<std::mutex> lock(s.mu);
-    RETURN_IF_ERROR(s.saves->Commit(step));
-    ApplyRetention(s);
-    if (s.current->generation() >= Tree::kMaxGeneration) {
-      return absl::ResourceExhaustedError(
-          "this mount has run out of generations: unmount and mount again");
-    }
-    ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
-                     Tree::Build(*s.store, s.current->config(),
-                                 s.current->generation() + 1));
-    retired = Switch(s, std::shared_ptr<const Tree>(std::move(next)));
-    // A step saved under an earlier config is materialized like the rest.
-    absl::StatusOr<std::optional<StepRecord>> record = s.store->FindStep(step);
-    if (record.ok() && *record &&
-        (*record)->config != s.current->config().ToString()) {
-      StartMaterialization(s);
-    }
-    s.error.clear();  // the step is whole: earlier refusals are moot
-    names = RootNames(s);
-  }
-  InvalidateRoot(s, std::move(names));
-  ReapOldTrees(s);
-  return absl::OkStatus();
-}
-
 // In ckpt/, a step to save; in a step being saved, a rank's directory.
 void OnMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t) {
   if (RefuseLongName(req, name)) return;
   Server& s = Get(req);
   absl::StatusOr<SaveNode> made = absl::PermissionDeniedError("read-only");
   if (SaveArea::Owns(parent)) {
-    made = s.saves->Mkdir(parent, name);
+    made = s.job->saves().Mkdir(parent, name);
   } else {
-    std::shared_ptr<const Tree> tree = s.TreeOf(parent);
+    std::shared_ptr<const Tree> tree = s.job->TreeOf(parent);
     const Node* dir = tree ? tree->Get(parent) : nullptr;
     absl::StatusOr<const Node*> existing =
         tree ? tree->Lookup(parent, name)
@@ -156,7 +104,7 @@ void OnMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t) {
     } else if (existing.ok() && *existing != nullptr) {
       made = absl::AlreadyExistsError(absl::StrCat(name, " exists"));
     } else if (IsCkptDir(*dir)) {
-      made = s.saves->MkdirStep(name, tree->config());
+      made = s.job->saves().MkdirStep(name, tree->config());
     }
   }
   if (!made.ok()) {
@@ -182,7 +130,7 @@ void OnCreate(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t,
     fuse_reply_err(req, EACCES);
     return;
   }
-  auto created = s.saves->Create(parent, name);
+  auto created = s.job->saves().Create(parent, name);
   if (!created.ok()) {
     ReportSaveError(s, created.status());
     // A committed step is read-only.
@@ -247,15 +195,15 @@ void OnFlush(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   absl::StatusOr<bool> complete = false;
   bool verify = h.verify_saved;
   if (h.node == nullptr && !verify) {
-    complete = s.saves->Close(ino, h.file);
+    complete = s.job->saves().Close(ino, h.file);
     verify = complete.status().code() == absl::StatusCode::kAborted;
   }
   if (h.node != nullptr) {
     same = SameAsCommitted(*h.tree, *h.node, *h.file);
   } else if (verify) {
     // The step committed while this file was open: find it in the tree.
-    std::optional<SaveNode> n = s.saves->Get(ino);
-    std::shared_ptr<const Tree> tree = s.TreeOf(kRootIno);
+    std::optional<SaveNode> n = s.job->saves().Get(ino);
+    std::shared_ptr<const Tree> tree = s.job->TreeOf(kRootIno);
     const Node* file = nullptr;
     if (n) {
       const Node* at = tree->Get(kRootIno);
@@ -279,8 +227,8 @@ void OnFlush(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   }
   absl::Status result = complete.status();
   if (complete.ok() && *complete) {
-    std::optional<SaveNode> n = s.saves->Get(ino);
-    if (n) result = PublishStep(s, n->step);
+    std::optional<SaveNode> n = s.job->saves().Get(ino);
+    if (n) result = s.job->PublishStep(n->step);
   }
   if (!result.ok()) {
     ReportSaveError(s, result);
@@ -305,7 +253,7 @@ void OnUnlink(fuse_req_t req, fuse_ino_t parent, const char* name) {
     fuse_reply_err(req, EACCES);
     return;
   }
-  absl::Status removed = s.saves->Unlink(parent, name);
+  absl::Status removed = s.job->saves().Unlink(parent, name);
   int err = 0;
   if (!removed.ok()) {
     err = removed.code() == absl::StatusCode::kFailedPrecondition
@@ -319,16 +267,17 @@ void OnRmdir(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Server& s = Get(req);
   uint64_t in = parent;
   if (!SaveArea::Owns(parent)) {
-    std::shared_ptr<const Tree> tree = s.TreeOf(parent);
+    std::shared_ptr<const Tree> tree = s.job->TreeOf(parent);
     const Node* dir = tree ? tree->Get(parent) : nullptr;
-    if (dir == nullptr || !IsCkptDir(*dir) || !s.saves->LookupStep(name)) {
+    if (dir == nullptr || !IsCkptDir(*dir) ||
+        !s.job->saves().LookupStep(name)) {
       // Committed steps and the rest of the tree are read-only.
       fuse_reply_err(req, EACCES);
       return;
     }
     in = 0;  // a step's own directory
   }
-  absl::Status removed = s.saves->Rmdir(in, name);
+  absl::Status removed = s.job->saves().Rmdir(in, name);
   int err = 0;
   if (!removed.ok()) {
     err = absl::StrContains(removed.message(), "not empty") ? ENOTEMPTY

@@ -13,6 +13,7 @@
 #include "gtest/gtest.h"
 #include "ptc/model_spec.h"
 #include "ptc/safetensors.h"
+#include "tests/fs/store_fixture.h"
 #include "tools/synth.h"
 #include "transfer/dataset_import.h"
 #include "transfer/importer.h"
@@ -20,80 +21,7 @@
 namespace scalai {
 namespace {
 
-namespace fs = std::filesystem;
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-class TreeTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ =
-        fs::path(::testing::TempDir()) / absl::StrFormat("tree-%d", getpid());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_ / "src");
-    layout_ = *Layout::Load("megatron-core-gpt");
-    spec_ = *ModelSpec::Parse(
-        "layers=3,hidden=32,heads=4,groups=4,vocab=50,gated_linear_unit=1");
-    ASSERT_TRUE(spec_.ApplyParams(layout_).ok());
-    model_ = std::make_shared<const Model>(*spec_.Build(layout_, DType::kF32));
-    const ParallelConfig saved = *ParallelConfig::Parse("tp=2,pp=1,dp=1");
-    Placement p = *Placement::Create(layout_, model_, saved);
-    for (int rank = 0; rank < 2; ++rank) {
-      fs::path rank_dir = dir_ / "src" / absl::StrFormat("rank-%05d", rank);
-      fs::create_directories(rank_dir);
-      ASSERT_TRUE(
-          WriteSynthShard(p, rank, 3, (rank_dir / "model.safetensors").string())
-              .ok());
-    }
-    auto store = Store::Create((dir_ / "store").string(), layout_);
-    ASSERT_TRUE(store.ok()) << store.status();
-    ImportOptions o;
-    o.src = (dir_ / "src").string();
-    o.config = saved;
-    o.step = 42;
-    auto imported = ImportCheckpoint(**store, o);
-    ASSERT_TRUE(imported.ok()) << imported.status();
-    store->reset();
-    store_ = *Store::Open((dir_ / "store").string());
-  }
-  void TearDown() override {
-    store_.reset();
-    fs::remove_all(dir_);
-  }
-
-  const Node* Walk(const Tree& tree, std::initializer_list<const char*> path) {
-    uint64_t ino = kRootIno;
-    const Node* n = tree.Get(ino);
-    for (const char* name : path) {
-      auto found = tree.Lookup(ino, name);
-      if (!found.ok() || *found == nullptr) return nullptr;
-      n = *found;
-      ino = n->ino;
-    }
-    return n;
-  }
-
-  std::string ReadNode(const Tree& tree, const Node& n, int64_t chunk) {
-    std::string out(n.size, '\0');
-    for (int64_t at = 0; at < n.size; at += chunk) {
-      auto got = tree.Read(n, at, chunk, out.data() + at);
-      EXPECT_TRUE(got.ok()) << got.status();
-      EXPECT_EQ(*got, std::min(chunk, n.size - at));
-    }
-    return out;
-  }
-
-  fs::path dir_;
-  Layout layout_;
-  ModelSpec spec_;
-  std::shared_ptr<const Model> model_;
-  std::unique_ptr<Store> store_;
-};
+using TreeTest = StoreFixture;
 
 TEST_F(TreeTest, ViewsEqualShardsCutDirectlyForTheMountedConfig) {
   for (const char* text :

@@ -1,0 +1,311 @@
+#include "fs/job.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+#include "ptc/status_macros.h"
+#include "transfer/materializer.h"
+
+namespace scalai {
+
+Job::Job(Store& store, std::unique_ptr<Tree> tree, Options options)
+    : store_(store),
+      options_(std::move(options)),
+      saves_(std::make_unique<SaveArea>(store)),
+      current_(std::move(tree)) {
+  trees_[current_->generation()] = current_;
+}
+
+Job::~Job() {
+  StopMaterialization();
+  // Steps not committed are discarded: their blobs go now.
+  saves_->Clear();
+}
+
+std::shared_ptr<const Tree> Job::current() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return current_;
+}
+
+std::shared_ptr<const Tree> Job::TreeOf(uint64_t ino) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (ino == kRootIno) return current_;
+  auto it = trees_.find(Tree::GenerationOf(ino));
+  return it == trees_.end() ? nullptr : it->second;
+}
+
+Job::Found Job::Find(uint64_t ino) {
+  Found f{TreeOf(ino)};
+  if (f.tree != nullptr) f.node = f.tree->Get(ino);
+  return f;
+}
+
+std::vector<std::shared_ptr<const Tree>> Job::OlderTrees() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<const Tree>> old;
+  for (const auto& [generation, tree] : trees_) {
+    if (generation < current_->generation()) old.push_back(tree);
+  }
+  return old;
+}
+
+void Job::Forget(uint64_t ino, uint64_t nlookup) {
+  std::shared_ptr<const Tree> tree = TreeOf(ino);
+  if (tree == nullptr) return;
+  tree->Forget(ino, nlookup);
+  std::lock_guard<std::mutex> lock(mu_);
+  RetireIfUnusedLocked(tree);
+}
+
+// Lets go of an old tree once the kernel names none of its inodes: no
+// lookup is left, so no file of it is open either. The caller holds `tree`
+// until it has unlocked: the last reference closes the tree's blob
+// mappings, and for blobs already unlinked that is when the filesystem
+// frees their space, which is slow.
+void Job::RetireIfUnusedLocked(const std::shared_ptr<const Tree>& tree) {
+  if (tree != nullptr && tree != current_ && tree->total_lookups() == 0) {
+    trees_.erase(tree->generation());
+  }
+}
+
+std::vector<std::string> Job::RootNamesLocked() const {
+  std::vector<std::string> names;
+  for (uint64_t c : current_->Get(kRootIno)->children) {
+    names.push_back(current_->Get(c)->name);
+  }
+  return names;
+}
+
+absl::Status Job::CheckGenerationLocked() const {
+  if (current_->generation() >= Tree::kMaxGeneration) {
+    return absl::ResourceExhaustedError(
+        "this mount has run out of generations: unmount and mount again");
+  }
+  return absl::OkStatus();
+}
+
+// Makes `tree` the one new opens see. The tree it replaces stays: a lookup
+// in the root may be on its way to it right now. Returns the older trees,
+// for the caller to drop once it has unlocked.
+std::vector<std::shared_ptr<const Tree>> Job::SwitchLocked(
+    std::shared_ptr<const Tree> tree) {
+  const uint64_t replaced = current_->generation();
+  trees_[tree->generation()] = tree;
+  current_ = std::move(tree);
+  std::vector<std::shared_ptr<const Tree>> older;
+  for (const auto& [generation, t] : trees_) {
+    if (generation < replaced) older.push_back(t);
+  }
+  for (const auto& t : older) RetireIfUnusedLocked(t);
+  return older;
+}
+
+absl::Status Job::Reconfigure(const ParallelConfig& config) {
+  std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
+  std::vector<std::string> names;
+  bool switched = false;
+  absl::Status result = [&]() -> absl::Status {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (config == current_->config()) {
+      // The same config again retries a failed materialization (space
+      // freed, a blob restored); otherwise it changes nothing.
+      if (materialization_failed_) StartMaterializationLocked();
+      return absl::OkStatus();
+    }
+    RETURN_IF_ERROR(CheckGenerationLocked());
+    ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
+                     Tree::Build(store_, config, current_->generation() + 1));
+    RETURN_IF_ERROR(store_.SetCurrentConfig(config));
+    retired = SwitchLocked(std::shared_ptr<const Tree>(std::move(next)));
+    StartMaterializationLocked();
+    switched = true;
+    return absl::OkStatus();
+  }();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_ = result.ok() ? "" : std::string(result.message());
+    if (switched) names = RootNamesLocked();
+  }
+  if (switched && options_.on_switch) options_.on_switch(std::move(names));
+  return result;
+}
+
+// Drops the oldest steps beyond keep_steps, sparing any step a handle of any
+// generation has open.
+void Job::ApplyRetentionLocked() {
+  if (options_.keep_steps <= 0) return;
+  absl::StatusOr<std::vector<StepRecord>> steps = store_.Steps();
+  if (!steps.ok()) return;
+  // Steps are in step order: all but the newest keep_steps go.
+  const int64_t older =
+      static_cast<int64_t>(steps->size()) - options_.keep_steps;
+  for (int64_t i = 0; i < older; ++i) {
+    const int64_t step = (*steps)[i].step;
+    bool open = false;
+    for (const auto& [generation, tree] : trees_) open |= tree->StepOpen(step);
+    if (open) continue;  // a later commit tries again
+    if (absl::Status d = store_.DeleteStep(step); !d.ok()) {
+      error_ = absl::StrCat("retention: ", d.message());
+      return;
+    }
+  }
+}
+
+absl::Status Job::PublishStep(int64_t step) {
+  std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
+  std::vector<std::string> names;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_ERROR(saves_->Commit(step));
+    ApplyRetentionLocked();
+    RETURN_IF_ERROR(CheckGenerationLocked());
+    ASSIGN_OR_RETURN(
+        std::unique_ptr<Tree> next,
+        Tree::Build(store_, current_->config(), current_->generation() + 1));
+    retired = SwitchLocked(std::shared_ptr<const Tree>(std::move(next)));
+    // A step saved under an earlier config is materialized like the rest.
+    absl::StatusOr<std::optional<StepRecord>> record = store_.FindStep(step);
+    if (record.ok() && *record &&
+        (*record)->config != current_->config().ToString()) {
+      StartMaterializationLocked();
+    }
+    error_.clear();  // the step is whole: earlier refusals are moot
+    names = RootNamesLocked();
+  }
+  if (options_.on_switch) options_.on_switch(std::move(names));
+  return absl::OkStatus();
+}
+
+// Writes the current config's shards into new blobs, commits them and
+// switches to a tree that reads from them. Runs on a worker thread; a newer
+// start cancels it.
+void Job::Materialize(const ParallelConfig& target,
+                      const std::atomic<bool>& cancel) {
+  Materialization::Options options;
+  options.cancel = &cancel;
+  options.progress = [this, &cancel](int64_t done, int64_t total) {
+    if (cancel.load()) return;  // the newer worker owns the counters
+    to_move_ = total;
+    moved_ = done;
+  };
+  absl::StatusOr<Materialization> m =
+      Materialization::Write(store_, target, options);
+  // Dropped after unlocking (see RetireIfUnusedLocked).
+  std::shared_ptr<const Tree> replaced;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cancel.load()) return;  // superseded: the newer worker reports
+  materializing_ = false;
+  idle_.notify_all();
+  absl::Status result = m.status();
+  if (result.ok() && m->steps() > 0) {
+    result = m->Commit(store_);
+    absl::StatusOr<std::unique_ptr<Tree>> same = absl::InternalError("");
+    if (result.ok()) {
+      // The same views, now read from the new blobs: the generation and its
+      // inodes stay, so the kernel's caches stay valid.
+      same = Tree::Rebuild(store_, *current_);
+      result = same.status();
+    }
+    if (result.ok()) {
+      replaced = std::exchange(current_,
+                               std::shared_ptr<const Tree>(std::move(*same)));
+      trees_[current_->generation()] = current_;
+    }
+  }
+  if (result.ok()) {
+    to_move_ = m->bytes_planned();
+    moved_ = m->bytes_written();
+  } else {
+    // The views keep reading from the old shards: correct, only slower.
+    // `moved_` and `to_move_` stay where the copy stopped.
+    materialization_failed_ = true;
+    error_ = absl::StrCat("materialization of ", target.ToString(),
+                          " failed: ", result.message());
+  }
+}
+
+void Job::StartMaterialization() {
+  std::lock_guard<std::mutex> lock(mu_);
+  StartMaterializationLocked();
+}
+
+void Job::StartMaterializationLocked() {
+  if (cancel_) cancel_->store(true);
+  auto cancel = std::make_shared<std::atomic<bool>>(false);
+  cancel_ = cancel;
+  materializing_ = true;
+  materialization_failed_ = false;
+  moved_ = 0;
+  to_move_ = 0;
+  worker_ = std::thread([this, cancel, target = current_->config(),
+                         previous = std::move(worker_)]() mutable {
+    if (previous.joinable()) previous.join();
+    try {
+      Materialize(target, *cancel);
+    } catch (const std::exception& e) {
+      // A bug must not take the mount down: it is reported instead.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!cancel->load()) {
+        materializing_ = false;
+        materialization_failed_ = true;
+        error_ = absl::StrCat("materialization failed: ", e.what());
+        idle_.notify_all();
+      }
+    }
+  });
+}
+
+void Job::StopMaterialization() {
+  std::thread worker;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (cancel_) cancel_->store(true);
+    worker = std::move(worker_);
+    materializing_ = false;
+    idle_.notify_all();
+  }
+  if (worker.joinable()) worker.join();
+}
+
+bool Job::WaitMaterialized(absl::Duration timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return idle_.wait_for(lock, absl::ToChronoSeconds(timeout),
+                        [this] { return !materializing_; });
+}
+
+void Job::ReportError(absl::string_view message) {
+  std::lock_guard<std::mutex> lock(mu_);
+  error_ = std::string(message);
+}
+
+std::string Job::StatusText() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t done = moved_.load();
+  const int64_t total = to_move_.load();
+  double progress = 1.0;
+  if (materializing_ || materialization_failed_) {
+    progress = total > 0 ? static_cast<double>(done) / total : 0.0;
+  }
+  const char* state = materializing_            ? "materializing"
+                      : materialization_failed_ ? "failed"
+                                                : "ready";
+  nlohmann::json j = {{"generation", current_->generation()},
+                      {"config", current_->config().ToString()},
+                      {"state", state},
+                      {"progress", progress},
+                      {"error", nullptr},
+                      {"bytes_to_move", total},
+                      {"bytes_moved", done}};
+  if (!error_.empty()) j["error"] = error_;
+  // Steps being saved, and the dp_rank 0 ranks each still waits for.
+  j["saving"] = nlohmann::json::array();
+  for (const auto& [step, missing] : saves_->Pending())
+    j["saving"].push_back({{"step", step}, {"waiting_for", missing}});
+  // An error may quote bytes that are not UTF-8 (a name a client chose):
+  // they are replaced rather than thrown over.
+  return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) +
+         "\n";
+}
+
+}  // namespace scalai

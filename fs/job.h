@@ -1,0 +1,135 @@
+// A mounted job's moving parts, free of FUSE: the tree new opens see, the
+// older trees the kernel may still name, the reconfiguration that switches
+// between them, the materialization that follows, the steps published
+// through the mount, and the text of `status`. The FUSE adapter's control
+// file drives it, and so can anything else that holds it (a test, a peer
+// that relays a cluster-wide config): the adapter only hears of each switch
+// through `on_switch`, to drop the kernel's caches.
+//
+//   Job job(*store, std::move(tree), {.keep_steps = 3});
+//   RETURN_IF_ERROR(job.Reconfigure(*ParallelConfig::Parse("tp=4,pp=1,dp=2")));
+//   job.WaitMaterialized(absl::Seconds(60));
+#ifndef SCALAI_FS_JOB_H_
+#define SCALAI_FS_JOB_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "fs/save_area.h"
+#include "fs/tree.h"
+#include "ptc/parallel_config.h"
+#include "transfer/store.h"
+
+namespace scalai {
+
+class Job {
+ public:
+  struct Options {
+    // After each step published, keep the newest K steps (0: all); a step
+    // with a file open in any live tree is kept until a later commit.
+    int keep_steps = 0;
+    // Called after each switch to a new generation, without the lock held,
+    // with the names in the new root: the adapter drops the kernel's entries
+    // for them and retires the older trees' inodes.
+    std::function<void(std::vector<std::string> root_names)> on_switch;
+  };
+
+  Job(Store& store, std::unique_ptr<Tree> tree, Options options);
+  // Cancels and joins the materialization; steps not yet committed are
+  // discarded.
+  ~Job();
+  Job(const Job&) = delete;
+  Job& operator=(const Job&) = delete;
+
+  Store& store() { return store_; }
+  SaveArea& saves() { return *saves_; }
+
+  // The tree new opens see.
+  std::shared_ptr<const Tree> current();
+  // The live tree that owns `ino` (the current one for the root), or null.
+  std::shared_ptr<const Tree> TreeOf(uint64_t ino);
+  // The node `ino` names, with the tree that keeps it alive; `node` is null
+  // when no live tree has it.
+  struct Found {
+    std::shared_ptr<const Tree> tree;
+    const Node* node = nullptr;
+  };
+  Found Find(uint64_t ino);
+  // The live trees older than the current one.
+  std::vector<std::shared_ptr<const Tree>> OlderTrees();
+  // The kernel forgot `nlookup` lookups of `ino`: a tree nobody names any
+  // more is let go.
+  void Forget(uint64_t ino, uint64_t nlookup);
+
+  // Makes `config` current: validates it, records it in the store, switches
+  // every view at once and starts materializing it. The same config again
+  // retries a failed materialization and otherwise changes nothing. On an
+  // error nothing changed, and `status` says why.
+  absl::Status Reconfigure(const ParallelConfig& config);
+  // Commits a step whose every dp_rank 0 rank has a valid shard, applies the
+  // retention, and switches to a tree that shows it (`latest` moves).
+  absl::Status PublishStep(int64_t step);
+  // Materializes the current config, superseding a running materialization:
+  // a store whose steps are not stored under it yet catches up.
+  void StartMaterialization();
+  // Cancels and joins the materialization; the views stay correct.
+  void StopMaterialization();
+  // Waits until no materialization runs; false on timeout.
+  bool WaitMaterialized(absl::Duration timeout);
+
+  // The error `status` shows until the next success clears it.
+  void ReportError(absl::string_view message);
+  // The JSON of MOUNT/status, newline-terminated.
+  std::string StatusText();
+
+ private:
+  void StartMaterializationLocked();  // requires mu_
+  void Materialize(const ParallelConfig& target,
+                   const std::atomic<bool>& cancel);
+  std::vector<std::shared_ptr<const Tree>> SwitchLocked(
+      std::shared_ptr<const Tree> tree);  // requires mu_
+  void RetireIfUnusedLocked(const std::shared_ptr<const Tree>& tree);
+  void ApplyRetentionLocked();
+  std::vector<std::string> RootNamesLocked() const;
+  absl::Status CheckGenerationLocked() const;
+
+  Store& store_;
+  const Options options_;
+  std::unique_ptr<SaveArea> saves_;  // thread-safe on its own
+
+  // Lock order: mu_ only. Every catalog change happens under mu_, so a tree
+  // is always built from one consistent set of records.
+  std::mutex mu_;
+  std::condition_variable idle_;         // signalled when materializing_ ends
+  std::shared_ptr<const Tree> current_;  // guarded by mu_
+  // Trees the kernel may still name inodes of, by generation; guarded by mu_.
+  std::map<uint64_t, std::shared_ptr<const Tree>> trees_;
+  std::string error_;  // guarded by mu_
+
+  // The newest materialization worker and its cancel flag; guarded by mu_.
+  // Each worker joins the one it superseded, so joining the newest joins all.
+  std::thread worker_;
+  std::shared_ptr<std::atomic<bool>> cancel_;
+  bool materializing_ = false;  // guarded by mu_
+  // The last materialization failed (a damaged source, a full disk): the
+  // views read from the stored shards until the same config is written
+  // again, which retries it. Guarded by mu_.
+  bool materialization_failed_ = false;
+  // Bytes written and to write by the running (or last) materialization.
+  std::atomic<int64_t> moved_{0};
+  std::atomic<int64_t> to_move_{0};
+};
+
+}  // namespace scalai
+
+#endif  // SCALAI_FS_JOB_H_

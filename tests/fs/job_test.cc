@@ -1,0 +1,129 @@
+// The mounted job's orchestration, driven without FUSE: a reconfiguration
+// switches the views at once, materialization then stores the new shards,
+// and a refused config changes nothing. Bytes are checked against shards
+// that synth cuts directly for the config.
+#include "fs/job.h"
+
+#include <string>
+#include <vector>
+
+#include "nlohmann/json.hpp"
+#include "tests/fs/store_fixture.h"
+
+namespace scalai {
+namespace {
+
+class JobTest : public StoreFixture {
+ protected:
+  std::unique_ptr<Job> MakeJob(const char* config) {
+    auto tree = Tree::Build(*store_, *ParallelConfig::Parse(config), 1);
+    EXPECT_TRUE(tree.ok()) << tree.status();
+    Job::Options options;
+    options.on_switch = [this](std::vector<std::string> names) {
+      switches_.push_back(std::move(names));
+    };
+    return std::make_unique<Job>(*store_, std::move(*tree), options);
+  }
+
+  // Every rank's model file in `tree` equals the shard cut directly.
+  void ExpectViewsEqualDirectCuts(const Tree& tree) {
+    Placement direct = *Placement::Create(layout_, model_, tree.config());
+    const std::string want_path = (dir_ / "want.safetensors").string();
+    for (int rank = 0; rank < tree.config().world_size(); ++rank) {
+      const std::string rank_name = absl::StrFormat("rank-%05d", rank);
+      const Node* file = Walk(tree, {"ckpt", "step-00000042", rank_name.c_str(),
+                                     "model.safetensors"});
+      ASSERT_NE(file, nullptr) << rank_name;
+      std::string got = ReadNode(tree, *file, 1 << 20);
+      ASSERT_TRUE(WriteSynthShard(direct, rank, 3, want_path).ok());
+      std::string want = ReadAll(want_path);
+      auto got_header =
+          SafetensorsHeader::Parse(got, static_cast<int64_t>(got.size()));
+      auto want_header =
+          SafetensorsHeader::Parse(want, static_cast<int64_t>(want.size()));
+      ASSERT_TRUE(got_header.ok()) << got_header.status();
+      EXPECT_EQ(got.substr(got_header->data_start()),
+                want.substr(want_header->data_start()))
+          << rank_name;
+    }
+  }
+
+  nlohmann::json Status(Job& job) {
+    return nlohmann::json::parse(job.StatusText());
+  }
+
+  std::vector<std::vector<std::string>> switches_;
+};
+
+TEST_F(JobTest, ReconfigureSwitchesAtOnceAndMaterializesTheNewShards) {
+  std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
+  for (const char* text :
+       {"tp=4,pp=1,dp=1", "tp=1,pp=3,dp=2", "tp=2,pp=2,dp=1,stages=1:2"}) {
+    SCOPED_TRACE(text);
+    const ParallelConfig config = *ParallelConfig::Parse(text);
+    const uint64_t before = job->current()->generation();
+    ASSERT_TRUE(job->Reconfigure(config).ok());
+    std::shared_ptr<const Tree> switched = job->current();
+    EXPECT_EQ(switched->generation(), before + 1);
+    EXPECT_EQ(switched->config(), config);
+    // The views are right before a byte was materialized...
+    ExpectViewsEqualDirectCuts(*switched);
+    ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+    nlohmann::json status = Status(*job);
+    EXPECT_EQ(status["state"], "ready") << status.dump();
+    EXPECT_EQ(status["config"], config.ToString());
+    EXPECT_TRUE(status["error"].is_null()) << status.dump();
+    // ...and after: the same generation, now read from the new blobs, which
+    // the store records under the new config.
+    EXPECT_EQ(job->current()->generation(), before + 1);
+    ExpectViewsEqualDirectCuts(*job->current());
+    auto step = store_->FindStep(42);
+    ASSERT_TRUE(step.ok() && step->has_value());
+    EXPECT_EQ((*step)->config, config.ToString());
+  }
+  // The adapter heard of each switch, with the new root's names.
+  ASSERT_EQ(switches_.size(), 3u);
+  EXPECT_EQ(switches_.back(),
+            (std::vector<std::string>{"ckpt", "config", "data", "job.json",
+                                      "status"}));
+}
+
+TEST_F(JobTest, RefusedConfigChangesNothingAndSaysWhy) {
+  std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
+  ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+  // tp=3 does not divide the model's 4 heads.
+  absl::Status refused =
+      job->Reconfigure(*ParallelConfig::Parse("tp=3,pp=1,dp=1"));
+  EXPECT_FALSE(refused.ok());
+  EXPECT_EQ(job->current()->generation(), 1u);
+  EXPECT_EQ(job->current()->config().ToString(), "tp=2,pp=1,dp=1");
+  EXPECT_TRUE(switches_.empty());
+  nlohmann::json status = Status(*job);
+  EXPECT_EQ(status["error"], std::string(refused.message()));
+  auto step = store_->FindStep(42);
+  EXPECT_EQ((*step)->config, "tp=2,pp=1,dp=1");
+  // The same config again changes nothing, and clears the refusal.
+  ASSERT_TRUE(job->Reconfigure(*ParallelConfig::Parse("tp=2,pp=1,dp=1")).ok());
+  EXPECT_EQ(job->current()->generation(), 1u);
+  EXPECT_TRUE(switches_.empty());
+  EXPECT_TRUE(Status(*job)["error"].is_null());
+}
+
+TEST_F(JobTest, OlderTreesLiveWhileTheKernelNamesThem) {
+  std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
+  std::shared_ptr<const Tree> first = job->current();
+  const Node* ckpt = Walk(*first, {"ckpt"});
+  first->CountLookup(ckpt->ino);
+  ASSERT_TRUE(job->Reconfigure(*ParallelConfig::Parse("tp=4,pp=1,dp=1")).ok());
+  ASSERT_EQ(job->OlderTrees().size(), 1u);
+  EXPECT_EQ(job->TreeOf(ckpt->ino), first);
+  EXPECT_EQ(job->Find(ckpt->ino).node, ckpt);
+  // The last lookup forgotten, the old generation goes.
+  job->Forget(ckpt->ino, 1);
+  EXPECT_TRUE(job->OlderTrees().empty());
+  EXPECT_EQ(job->TreeOf(ckpt->ino), nullptr);
+  EXPECT_EQ(job->TreeOf(kRootIno), job->current());
+}
+
+}  // namespace
+}  // namespace scalai
