@@ -8,6 +8,8 @@ packages=(
   libabsl-dev librocksdb-dev libfuse3-dev fuse3
   nlohmann-json3-dev libcli11-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  etcd-server openssl
   python3-numpy python3-torch python3-matplotlib clang-format git tar
 )
 

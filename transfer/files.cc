@@ -119,6 +119,24 @@ absl::StatusOr<int64_t> FileSize(const std::string& path) {
   return static_cast<int64_t>(st.st_size);
 }
 
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path,
+                                          int64_t max_bytes) {
+  ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY | O_CLOEXEC));
+  std::string text;
+  char buf[4096];
+  while (true) {
+    const ssize_t n = read(fd.get(), buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoError(errno, "read", path);
+    if (n == 0) return text;
+    if (static_cast<int64_t>(text.size()) + n > max_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": larger than ", max_bytes, " bytes; is it the right file?"));
+    }
+    text.append(buf, static_cast<size_t>(n));
+  }
+}
+
 absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir) {
   DIR* d = opendir(dir.c_str());
   if (d == nullptr) return ErrnoError(errno, "list", dir);

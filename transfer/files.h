@@ -69,6 +69,10 @@ absl::Status ReadChunks(
     const std::string& path,
     const std::function<absl::Status(const char*, int64_t)>& chunk);
 absl::StatusOr<int64_t> FileSize(const std::string& path);
+// The whole of a small file (a config, a key); one larger than `max_bytes`
+// is refused, naming it.
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path,
+                                          int64_t max_bytes);
 // Reads up to `size` bytes at `offset` into `out`; returns how many it read.
 using RangeReader = std::function<absl::StatusOr<int64_t>(
     char* out, int64_t size, int64_t offset)>;

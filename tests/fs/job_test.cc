@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "nlohmann/json.hpp"
-#include "tests/fs/store_fixture.h"
+#include "tests/store_fixture.h"
 
 namespace scalai {
 namespace {

@@ -13,7 +13,7 @@
 #include "gtest/gtest.h"
 #include "ptc/model_spec.h"
 #include "ptc/safetensors.h"
-#include "tests/fs/store_fixture.h"
+#include "tests/store_fixture.h"
 #include "tools/synth.h"
 #include "transfer/dataset_import.h"
 #include "transfer/importer.h"

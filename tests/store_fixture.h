@@ -1,8 +1,8 @@
 // A store made from synthetic shards of a small GPT (tp=2 at step 42), for
-// the tests of the mount's FUSE-free model, and the helpers they share to
-// walk a tree and read its files.
-#ifndef SCALAI_TESTS_FS_STORE_FIXTURE_H_
-#define SCALAI_TESTS_FS_STORE_FIXTURE_H_
+// the tests of the mount's FUSE-free model and of peers, and the helpers
+// they share to walk a tree and read its files.
+#ifndef SCALAI_TESTS_STORE_FIXTURE_H_
+#define SCALAI_TESTS_STORE_FIXTURE_H_
 
 #include <unistd.h>
 
@@ -24,7 +24,7 @@ namespace scalai {
 
 namespace fs = std::filesystem;
 
-std::string ReadAll(const std::string& path) {
+inline std::string ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream s;
   s << in.rdbuf();
@@ -33,6 +33,11 @@ std::string ReadAll(const std::string& path) {
 
 class StoreFixture : public ::testing::Test {
  protected:
+  // The config the fixture's step 42 is imported under.
+  static ParallelConfig saved_config() {
+    return *ParallelConfig::Parse("tp=2,pp=1,dp=1");
+  }
+
   void SetUp() override {
     dir_ = fs::path(::testing::TempDir()) /
            absl::StrFormat("fixture-%d", getpid());
@@ -43,7 +48,7 @@ class StoreFixture : public ::testing::Test {
         "layers=3,hidden=32,heads=4,groups=4,vocab=50,gated_linear_unit=1");
     ASSERT_TRUE(spec_.ApplyParams(layout_).ok());
     model_ = std::make_shared<const Model>(*spec_.Build(layout_, DType::kF32));
-    const ParallelConfig saved = *ParallelConfig::Parse("tp=2,pp=1,dp=1");
+    const ParallelConfig saved = saved_config();
     Placement p = *Placement::Create(layout_, model_, saved);
     for (int rank = 0; rank < 2; ++rank) {
       fs::path rank_dir = dir_ / "src" / absl::StrFormat("rank-%05d", rank);
@@ -99,4 +104,4 @@ class StoreFixture : public ::testing::Test {
 
 }  // namespace scalai
 
-#endif  // SCALAI_TESTS_FS_STORE_FIXTURE_H_
+#endif  // SCALAI_TESTS_STORE_FIXTURE_H_

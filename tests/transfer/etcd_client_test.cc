@@ -1,0 +1,168 @@
+// The etcd client against a real etcd member (Debian's etcd-server): keys
+// read and written, transactions that apply whole or not at all, leases
+// whose keys go with them, and watches that see every change in order.
+#include "transfer/etcd_client.h"
+
+#include <unistd.h>
+
+#include <condition_variable>
+#include <mutex>
+
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "tests/etcd_member.h"
+
+namespace scalai {
+namespace {
+
+namespace fs = std::filesystem;
+
+class EtcdClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) /
+           absl::StrFormat("etcd-client-%d", getpid());
+    fs::remove_all(dir_);
+    member_ = std::make_unique<EtcdMember>(dir_);
+    absl::Status ready = member_->WaitReady();
+    ASSERT_TRUE(ready.ok()) << ready << "\n" << member_->log();
+    auto client = EtcdClient::Connect({member_->endpoint()});
+    ASSERT_TRUE(client.ok()) << client.status();
+    etcd_ = std::move(*client);
+  }
+  void TearDown() override {
+    etcd_.reset();
+    member_.reset();
+    fs::remove_all(dir_);
+  }
+
+  fs::path dir_;
+  std::unique_ptr<EtcdMember> member_;
+  std::unique_ptr<EtcdClient> etcd_;
+};
+
+TEST_F(EtcdClientTest, KeysAreWrittenAndReadBackByKeyAndPrefix) {
+  auto absent = etcd_->Get("/job/config");
+  ASSERT_TRUE(absent.ok()) << absent.status();
+  EXPECT_FALSE(absent->has_value());
+  auto first = etcd_->PutValue("/job/config", "tp=2,pp=1,dp=1");
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_TRUE(etcd_->PutValue("/job/hosts/h1", "a").ok());
+  ASSERT_TRUE(etcd_->PutValue("/job/hosts/h0", std::string("b\0c", 3)).ok());
+  ASSERT_TRUE(etcd_->PutValue("/jobx/other", "not under /job/").ok());
+  auto config = etcd_->Get("/job/config");
+  ASSERT_TRUE(config.ok() && config->has_value());
+  EXPECT_EQ((*config)->value, "tp=2,pp=1,dp=1");
+  EXPECT_EQ((*config)->mod_revision, *first);
+  auto hosts = etcd_->GetPrefix("/job/hosts/");
+  ASSERT_TRUE(hosts.ok()) << hosts.status();
+  ASSERT_EQ(hosts->kvs.size(), 2u);
+  EXPECT_EQ(hosts->kvs[0].key, "/job/hosts/h0");  // in key order
+  EXPECT_EQ(hosts->kvs[0].value, std::string("b\0c", 3));
+  EXPECT_EQ(hosts->kvs[1].key, "/job/hosts/h1");
+  EXPECT_GE(hosts->revision, *first + 3);
+  EXPECT_EQ(etcd_->GetPrefix("/job/")->kvs.size(), 3u);
+}
+
+TEST_F(EtcdClientTest, TransactionsApplyWholeOrNotAtAll) {
+  // Created only if absent: the second attempt finds it and changes nothing.
+  EtcdClient::Txn create;
+  create.conditions.push_back({"/job/config", 0});
+  create.puts.push_back({"/job/config", "tp=2,pp=1,dp=1"});
+  create.puts.push_back({"/job/generation", "1"});
+  auto applied = etcd_->Commit(create);
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  EXPECT_TRUE(*applied);
+  create.puts[1].value = "99";
+  EXPECT_FALSE(*etcd_->Commit(create));
+  EXPECT_EQ((*etcd_->Get("/job/generation"))->value, "1");
+
+  // A compare-and-swap on the revision read: one of two racing writers wins.
+  const int64_t seen = (*etcd_->Get("/job/config"))->mod_revision;
+  EtcdClient::Txn a, b;
+  for (auto [txn, config] :
+       {std::pair{&a, "tp=4,pp=1,dp=1"}, std::pair{&b, "tp=1,pp=1,dp=4"}}) {
+    txn->conditions.push_back({"/job/config", seen});
+    txn->puts.push_back({"/job/config", config});
+    txn->puts.push_back({"/job/generation", "2"});
+    txn->deletes.push_back("/job/done/h0");
+    txn->delete_prefixes.push_back("/job/progress/");
+  }
+  ASSERT_TRUE(etcd_->PutValue("/job/progress/h0", "x").ok());
+  ASSERT_TRUE(etcd_->PutValue("/job/progress/h1", "y").ok());
+  ASSERT_TRUE(etcd_->PutValue("/job/progressive", "kept").ok());
+  EXPECT_TRUE(*etcd_->Commit(a));
+  EXPECT_FALSE(*etcd_->Commit(b));
+  EXPECT_EQ((*etcd_->Get("/job/config"))->value, "tp=4,pp=1,dp=1");
+  EXPECT_TRUE(etcd_->GetPrefix("/job/progress/")->kvs.empty());
+  EXPECT_TRUE(etcd_->Get("/job/progressive")->has_value());
+}
+
+TEST_F(EtcdClientTest, KeysOfALeaseGoWithIt) {
+  auto lease = etcd_->GrantLease(absl::Seconds(30));
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_TRUE(etcd_->PutValue("/job/members/h0", "10.0.0.1:7070", *lease).ok());
+  EXPECT_EQ((*etcd_->Get("/job/members/h0"))->lease, *lease);
+  EXPECT_TRUE(etcd_->KeepAlive(*lease).ok());
+  ASSERT_TRUE(etcd_->RevokeLease(*lease).ok());
+  EXPECT_FALSE(etcd_->Get("/job/members/h0")->has_value());
+  absl::Status expired = etcd_->KeepAlive(*lease);
+  EXPECT_EQ(expired.code(), absl::StatusCode::kNotFound) << expired;
+  // A lease left alone expires by itself.
+  auto brief = etcd_->GrantLease(absl::Seconds(1));
+  ASSERT_TRUE(brief.ok());
+  ASSERT_TRUE(etcd_->PutValue("/job/members/h1", "x", *brief).ok());
+  bool gone = false;
+  for (int i = 0; i < 100 && !gone; ++i) {  // etcd rounds a TTL up to ~2 s
+    usleep(100 * 1000);
+    gone = !etcd_->Get("/job/members/h1")->has_value();
+  }
+  EXPECT_TRUE(gone);
+}
+
+TEST_F(EtcdClientTest, WatchSeesEveryChangeAfterTheRevisionInOrder) {
+  const int64_t start = *etcd_->PutValue("/job/config", "tp=1,pp=1,dp=1");
+  ASSERT_TRUE(etcd_->PutValue("/job/config", "tp=2,pp=1,dp=1").ok());
+  std::mutex mu;
+  std::condition_variable changed;
+  std::vector<EtcdClient::Event> events;
+  auto watch =
+      etcd_->WatchPrefix("/job/", start, [&](const EtcdClient::Event& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        events.push_back(e);
+        changed.notify_all();
+      });
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  ASSERT_TRUE(etcd_->PutValue("/job/config", "tp=4,pp=1,dp=1").ok());
+  ASSERT_TRUE(etcd_->PutValue("/elsewhere", "unseen").ok());
+  EtcdClient::Txn del;
+  del.deletes.push_back("/job/config");
+  ASSERT_TRUE(*etcd_->Commit(del));
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(changed.wait_for(lock, std::chrono::seconds(20),
+                               [&] { return events.size() >= 3; }));
+  // The change made before the watch began, after `start`, comes first.
+  EXPECT_EQ(events[0].kv.value, "tp=2,pp=1,dp=1");
+  EXPECT_EQ(events[1].kv.value, "tp=4,pp=1,dp=1");
+  EXPECT_TRUE(events[2].deleted);
+  EXPECT_EQ(events[2].kv.key, "/job/config");
+  EXPECT_LT(events[0].kv.mod_revision, events[1].kv.mod_revision);
+  EXPECT_TRUE((*watch)->status().ok());
+  lock.unlock();
+  watch->reset();  // stops and joins while etcd still runs
+}
+
+TEST_F(EtcdClientTest, AnEtcdThatIsGoneIsAnErrorWithinTheDeadline) {
+  member_.reset();
+  auto client = EtcdClient::Connect({"http://127.0.0.1:1"}, std::nullopt,
+                                    absl::Seconds(2));
+  ASSERT_TRUE(client.ok());
+  auto got = (*client)->Get("/job/config");
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded)
+      << got.status();
+  EXPECT_NE(got.status().message().find("http://127.0.0.1:1"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace scalai

@@ -1,0 +1,230 @@
+// The peer service over loopback gRPC: a host hands out the bytes of its
+// stored step, under the stored config and under others, and they equal the
+// shards synth cuts directly; a call without the job's token, or over
+// plaintext to a TLS host, gets nothing and is counted; a peer that is not
+// there costs a bounded wait and is marked unreachable.
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "tests/store_fixture.h"
+#include "transfer/peer_client.h"
+#include "transfer/peer_server.h"
+
+namespace scalai {
+namespace {
+
+constexpr char kToken[] = "0123456789abcdef-job-token";
+
+class PeerTest : public StoreFixture {
+ protected:
+  std::unique_ptr<PeerServer> StartServer(
+      std::optional<ClusterTls> tls = std::nullopt) {
+    PeerServer::Options o;
+    o.job = "gpt";
+    o.host = "h0";
+    o.address = "127.0.0.1:0";
+    o.token = kToken;
+    o.tls = std::move(tls);
+    auto server = PeerServer::Start(*store_, o);
+    EXPECT_TRUE(server.ok()) << server.status();
+    return server.ok() ? std::move(*server) : nullptr;
+  }
+
+  PeerClient Client(const PeerServer& server, std::string token = kToken,
+                    std::optional<ClusterTls> tls = std::nullopt) {
+    PeerClient::Options o;
+    o.host = "h1";
+    o.token = std::move(token);
+    o.tls = std::move(tls);
+    o.deadline = absl::Seconds(10);
+    return PeerClient({"h0", absl::StrCat("127.0.0.1:", server.port())}, o);
+  }
+
+  // The bytes of shard `shard` of `rank` under `config`, cut directly.
+  std::string DirectCut(const ParallelConfig& config, int rank, int shard) {
+    Placement direct = *Placement::Create(layout_, model_, config);
+    const std::string path = (dir_ / "want.safetensors").string();
+    EXPECT_TRUE(WriteSynthShard(direct, rank, 3, path).ok());
+    std::string file = ReadAll(path);
+    auto header =
+        *SafetensorsHeader::Parse(file, static_cast<int64_t>(file.size()));
+    const TensorShard& s = direct.shards(config.ShardGroup(rank))[shard];
+    for (const SafetensorsEntry& e : header.tensors()) {
+      if (e.name == s.local_name) {
+        return file.substr(header.data_start() + e.data_begin,
+                           e.data_end - e.data_begin);
+      }
+    }
+    ADD_FAILURE() << "no " << s.local_name << " in the cut shard";
+    return "";
+  }
+};
+
+TEST_F(PeerTest, ServesEveryTensorOfEveryRankAsCutDirectly) {
+  std::unique_ptr<PeerServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  PeerClient client = Client(*server);
+  auto hello = client.SayHello();
+  ASSERT_TRUE(hello.ok()) << hello.status();
+  EXPECT_EQ(hello->job, "gpt");
+  EXPECT_EQ(hello->host, "h0");
+  int64_t fetched = 0;
+  for (const char* text :
+       {"tp=2,pp=1,dp=1", "tp=4,pp=1,dp=1", "tp=1,pp=3,dp=1"}) {
+    SCOPED_TRACE(text);
+    const ParallelConfig config = *ParallelConfig::Parse(text);
+    Placement p = *Placement::Create(layout_, model_, config);
+    for (int rank = 0; rank < config.world_size(); ++rank) {
+      const int group = config.ShardGroup(rank);
+      for (size_t i = 0; i < p.shards(group).size(); ++i) {
+        const int64_t bytes = p.shards(group)[i].bytes;
+        std::string got(bytes, '\0');
+        absl::Status read = client.ReadTensor(
+            {42, text, group, static_cast<int>(i)}, 0, bytes, got.data());
+        ASSERT_TRUE(read.ok()) << read;
+        ASSERT_EQ(got, DirectCut(config, rank, static_cast<int>(i)))
+            << "rank " << rank << " " << p.shards(group)[i].local_name;
+        fetched += bytes;
+      }
+    }
+  }
+  // A range from the middle of a tensor.
+  Placement p = *Placement::Create(layout_, model_, saved_config());
+  const int64_t bytes = p.shards(0)[1].bytes;
+  std::string middle(bytes / 2, '\0');
+  ASSERT_TRUE(client
+                  .ReadTensor({42, "tp=2,pp=1,dp=1", 0, 1}, bytes / 4,
+                              bytes / 2, middle.data())
+                  .ok());
+  EXPECT_EQ(middle,
+            DirectCut(saved_config(), 0, 1).substr(bytes / 4, bytes / 2));
+  fetched += bytes / 2;
+  EXPECT_EQ(client.bytes_fetched(), fetched);
+  EXPECT_EQ(server->counters().bytes_served.at("h1"), fetched);
+  EXPECT_EQ(server->counters().refused, 0);
+  EXPECT_TRUE(client.reachable());
+}
+
+TEST_F(PeerTest, CallsWithoutTheTokenAreRefusedCountedAndServedNothing) {
+  std::unique_ptr<PeerServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  for (std::string token : {std::string("wrong-token-of-16+chars"),
+                            std::string(kToken) + "x", std::string()}) {
+    PeerClient intruder = Client(*server, token);
+    std::string out(64, '\xaa');
+    absl::Status read =
+        intruder.ReadTensor({42, "tp=2,pp=1,dp=1", 0, 0}, 0, 64, out.data());
+    EXPECT_EQ(read.code(), absl::StatusCode::kUnauthenticated) << read;
+    EXPECT_EQ(out, std::string(64, '\xaa'));
+    EXPECT_EQ(intruder.bytes_fetched(), 0);
+    EXPECT_EQ(intruder.SayHello().status().code(),
+              absl::StatusCode::kUnauthenticated);
+  }
+  EXPECT_EQ(server->counters().refused, 6);
+  EXPECT_TRUE(server->counters().bytes_served.empty());
+}
+
+TEST_F(PeerTest, BadRequestsAreRefusedNamingWhat) {
+  std::unique_ptr<PeerServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  PeerClient client = Client(*server);
+  std::string out(1 << 20, '\0');
+  absl::Status no_step =
+      client.ReadTensor({7, "tp=2,pp=1,dp=1", 0, 0}, 0, 4, out.data());
+  EXPECT_EQ(no_step.code(), absl::StatusCode::kNotFound) << no_step;
+  EXPECT_NE(no_step.message().find("no step 7"), std::string::npos);
+  absl::Status past_end =
+      client.ReadTensor({42, "tp=2,pp=1,dp=1", 0, 0}, 0, 1 << 20, out.data());
+  EXPECT_EQ(past_end.code(), absl::StatusCode::kOutOfRange) << past_end;
+  absl::Status no_shard =
+      client.ReadTensor({42, "tp=2,pp=1,dp=1", 5, 0}, 0, 4, out.data());
+  EXPECT_EQ(no_shard.code(), absl::StatusCode::kOutOfRange) << no_shard;
+  absl::Status bad_config =
+      client.ReadTensor({42, "tp=3,pp=1,dp=1", 0, 0}, 0, 4, out.data());
+  EXPECT_EQ(bad_config.code(), absl::StatusCode::kInvalidArgument)
+      << bad_config;
+  EXPECT_EQ(server->counters().failed, 4);
+  EXPECT_TRUE(client.reachable());  // it answered, if only with refusals
+}
+
+TEST_F(PeerTest, AnAbsentPeerCostsABoundedWaitAndIsMarkedUnreachable) {
+  std::unique_ptr<PeerServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  const int port = server->port();
+  server.reset();  // nothing listens there now
+  PeerClient::Options o;
+  o.host = "h1";
+  o.token = kToken;
+  o.deadline = absl::Seconds(2);
+  PeerClient gone({"h0", absl::StrCat("127.0.0.1:", port)}, o);
+  const absl::Time start = absl::Now();
+  std::string out(16, '\0');
+  absl::Status read =
+      gone.ReadTensor({42, "tp=2,pp=1,dp=1", 0, 0}, 0, 16, out.data());
+  EXPECT_TRUE(read.code() == absl::StatusCode::kUnavailable ||
+              read.code() == absl::StatusCode::kDeadlineExceeded)
+      << read;
+  EXPECT_NE(read.message().find("peer h0"), std::string::npos) << read;
+  EXPECT_LT(absl::Now() - start, absl::Seconds(30));  // bounded, not fast
+  EXPECT_FALSE(gone.reachable());
+  EXPECT_EQ(gone.errors(), 1);
+}
+
+// A CA and a certificate for 127.0.0.1 it signed, made by openssl.
+ClusterTls MakeCertificates(const fs::path& dir, const std::string& name) {
+  fs::create_directories(dir);
+  const std::string d = dir.string();
+  std::ofstream(dir / "ext.cnf") << "subjectAltName=IP:127.0.0.1\n";
+  const std::string script = absl::StrCat(
+      "cd ", d,
+      " && openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out "
+      "ca.pem -days 2 -subj /CN=scalai-test-ca",
+      " && openssl req -newkey rsa:2048 -nodes -keyout ", name,
+      ".key -out host.csr -subj /CN=", name,
+      " && openssl x509 -req -in host.csr -CA ca.pem -CAkey ca.key "
+      "-CAcreateserial -days 2 -extfile ext.cnf -out ",
+      name, ".pem) >", d, "/openssl.log 2>&1");
+  const int rc = std::system(("(" + script).c_str());
+  EXPECT_EQ(rc, 0) << ReadAll(d + "/openssl.log");
+  return {ReadAll(d + "/" + name + ".pem"), ReadAll(d + "/" + name + ".key"),
+          ReadAll(d + "/ca.pem")};
+}
+
+TEST_F(PeerTest, WithTlsOnlyTlsPeersOfTheSameCaAreServed) {
+  const ClusterTls tls = MakeCertificates(dir_ / "tls", "h0");
+  ASSERT_FALSE(tls.cert.empty());
+  std::unique_ptr<PeerServer> server = StartServer(tls);
+  ASSERT_NE(server, nullptr);
+  PeerClient secure = Client(*server, kToken, tls);
+  auto hello = secure.SayHello();
+  ASSERT_TRUE(hello.ok()) << hello.status();
+  std::string out(16, '\0');
+  EXPECT_TRUE(
+      secure.ReadTensor({42, "tp=2,pp=1,dp=1", 0, 0}, 0, 16, out.data()).ok());
+  // Plaintext to a TLS port: the handshake fails, no call is made.
+  PeerClient::Options o;
+  o.host = "h1";
+  o.token = kToken;
+  o.deadline = absl::Seconds(3);
+  PeerClient plain({"h0", absl::StrCat("127.0.0.1:", server->port())}, o);
+  std::string untouched(16, '\xaa');
+  absl::Status read =
+      plain.ReadTensor({42, "tp=2,pp=1,dp=1", 0, 0}, 0, 16, untouched.data());
+  EXPECT_FALSE(read.ok());
+  EXPECT_EQ(untouched, std::string(16, '\xaa'));
+  EXPECT_EQ(plain.errors(), 1);
+  // A certificate from another CA is refused too.
+  const ClusterTls stranger = MakeCertificates(dir_ / "other", "h9");
+  PeerClient forged = Client(*server, kToken, stranger);
+  EXPECT_FALSE(
+      forged.ReadTensor({42, "tp=2,pp=1,dp=1", 0, 0}, 0, 16, untouched.data())
+          .ok());
+  EXPECT_EQ(untouched, std::string(16, '\xaa'));
+  EXPECT_EQ(server->counters().bytes_served.at("h1"), 16);
+}
+
+}  // namespace
+}  // namespace scalai

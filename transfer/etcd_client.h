@@ -1,0 +1,127 @@
+// An EtcdClient talks to an etcd v3 cluster over its gRPC API
+// (transfer/etcd.proto): reads of a key or a prefix, transactions that apply
+// whole or not at all, leases that mark a host live while it keeps them,
+// and watches that report every change after a revision. It is what the
+// hosts of a cluster agree through; every call has a deadline, and an error
+// names the endpoints and the key.
+//
+//   ASSIGN_OR_RETURN(auto etcd, EtcdClient::Connect({"http://10.0.0.9:2379"}));
+//   EtcdClient::Txn txn;
+//   txn.conditions.push_back({.key = "/job/config", .mod_revision = rev});
+//   txn.puts.push_back({.key = "/job/config", .value = "tp=2,pp=1,dp=4"});
+//   ASSIGN_OR_RETURN(bool applied, etcd->Commit(txn));
+#ifndef SCALAI_TRANSFER_ETCD_CLIENT_H_
+#define SCALAI_TRANSFER_ETCD_CLIENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "transfer/cluster_file.h"
+
+namespace grpc {
+class Status;
+}
+
+namespace scalai {
+
+class EtcdClient {
+ public:
+  struct KeyValue {
+    std::string key;
+    std::string value;
+    int64_t create_revision = 0;
+    int64_t mod_revision = 0;  // the revision of its last change
+    int64_t lease = 0;         // 0: none
+  };
+  // Keys with their values, and the store's revision they were read at.
+  struct Snapshot {
+    std::vector<KeyValue> kvs;
+    int64_t revision = 0;
+  };
+  // A transaction: when every condition holds, every put and delete
+  // applies at one revision; otherwise nothing does.
+  struct Condition {
+    std::string key;
+    // The key's last change was at this revision; 0: the key is absent.
+    int64_t mod_revision = 0;
+  };
+  struct Put {
+    std::string key;
+    std::string value;
+    int64_t lease = 0;
+  };
+  struct Txn {
+    std::vector<Condition> conditions;
+    std::vector<Put> puts;
+    std::vector<std::string> deletes;          // keys
+    std::vector<std::string> delete_prefixes;  // every key under each
+  };
+  struct Event {
+    bool deleted = false;
+    KeyValue kv;
+  };
+  // A running watch; destroying it stops it (and joins its thread).
+  class Watch {
+   public:
+    virtual ~Watch() = default;
+    // OK while it runs; the error that ended it (the server went away, the
+    // revision was compacted) otherwise.
+    virtual absl::Status status() const = 0;
+  };
+
+  // `endpoints` as a cluster file lists them ("http://host:port"); every
+  // call is made within `deadline`.
+  static absl::StatusOr<std::unique_ptr<EtcdClient>> Connect(
+      const std::vector<std::string>& endpoints,
+      const std::optional<ClusterTls>& tls = std::nullopt,
+      absl::Duration deadline = absl::Seconds(10));
+  ~EtcdClient();
+
+  absl::StatusOr<std::optional<KeyValue>> Get(const std::string& key);
+  // Every key starting with `prefix`, in key order.
+  absl::StatusOr<Snapshot> GetPrefix(const std::string& prefix);
+  // Returns the revision of the change.
+  absl::StatusOr<int64_t> PutValue(const std::string& key,
+                                   const std::string& value, int64_t lease = 0);
+  // Whether the transaction applied (false: a condition did not hold).
+  absl::StatusOr<bool> Commit(const Txn& txn);
+
+  // A lease that expires `ttl` after its last keep-alive; keys put with it
+  // go when it does.
+  absl::StatusOr<int64_t> GrantLease(absl::Duration ttl);
+  // Renews the lease; NotFound once it has expired.
+  absl::Status KeepAlive(int64_t lease);
+  absl::Status RevokeLease(int64_t lease);
+
+  // Calls `on_event` (on the watch's own thread) for each change to a key
+  // under `prefix` after revision `after`, in revision order.
+  absl::StatusOr<std::unique_ptr<Watch>> WatchPrefix(
+      const std::string& prefix, int64_t after,
+      std::function<void(const Event&)> on_event);
+
+  const std::string& endpoints() const { return endpoints_; }
+
+ private:
+  struct Stubs;
+  EtcdClient() = default;
+  // A failed call as an error naming the endpoints and what was being done.
+  absl::Status Failed(const grpc::Status& s, absl::string_view what) const;
+
+  std::string endpoints_;  // as given, for errors
+  absl::Duration deadline_;
+  std::unique_ptr<Stubs> stubs_;
+};
+
+// The end of the range of keys that start with `prefix`, as etcd takes it.
+std::string PrefixEnd(const std::string& prefix);
+
+}  // namespace scalai
+
+#endif  // SCALAI_TRANSFER_ETCD_CLIENT_H_

@@ -1,0 +1,54 @@
+// What both ends of a peer call agree on: the metadata keys that carry the
+// job's token and the caller's name, the token check, and the one
+// translator between gRPC's status and absl::Status (their codes are the
+// same numbers by design).
+//
+//   context.AddMetadata(kPeerTokenKey, BearerToken(token));
+//   if (!TokenMatches(presented, BearerToken(token))) ... UNAUTHENTICATED
+#ifndef SCALAI_TRANSFER_PEER_CALL_H_
+#define SCALAI_TRANSFER_PEER_CALL_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace scalai {
+
+inline constexpr char kPeerTokenKey[] = "authorization";
+inline constexpr char kPeerHostKey[] = "scalai-host";
+
+inline std::string BearerToken(absl::string_view token) {
+  return absl::StrCat("Bearer ", token);
+}
+
+// Compares in time that depends on the lengths only, so that a caller
+// cannot find the token a byte at a time.
+inline bool TokenMatches(absl::string_view presented,
+                         absl::string_view expected) {
+  if (presented.size() != expected.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    diff |= static_cast<unsigned char>(presented[i] ^ expected[i]);
+  }
+  return diff == 0;
+}
+
+inline absl::Status FromGrpc(const grpc::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(what, ": ", s.error_message()));
+}
+
+inline grpc::Status ToGrpc(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()),
+                      std::string(s.message()));
+}
+
+}  // namespace scalai
+
+#endif  // SCALAI_TRANSFER_PEER_CALL_H_

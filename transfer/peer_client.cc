@@ -1,0 +1,120 @@
+#include "transfer/peer_client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "transfer/peer.grpc.pb.h"
+#include "transfer/peer_call.h"
+
+namespace scalai {
+
+struct PeerClient::Channel {
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<peer::Peer::Stub> stub;
+};
+
+PeerClient::PeerClient(ClusterHost peer, Options options)
+    : peer_(std::move(peer)), options_(std::move(options)) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (options_.tls) {
+    grpc::SslCredentialsOptions tls;
+    tls.pem_root_certs = options_.tls->ca;
+    tls.pem_private_key = options_.tls->key;
+    tls.pem_cert_chain = options_.tls->cert;
+    credentials = grpc::SslCredentials(tls);
+  } else {
+    credentials = grpc::InsecureChannelCredentials();
+  }
+  channel_ = std::make_unique<Channel>();
+  channel_->channel = grpc::CreateChannel(peer_.address, credentials);
+  channel_->stub = peer::Peer::NewStub(channel_->channel);
+}
+
+PeerClient::~PeerClient() = default;
+
+namespace {
+
+void Prepare(grpc::ClientContext& ctx, const std::string& host,
+             const std::string& token, absl::Duration deadline) {
+  ctx.AddMetadata(kPeerTokenKey, BearerToken(token));
+  ctx.AddMetadata(kPeerHostKey, host);
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+}
+
+}  // namespace
+
+absl::Status PeerClient::Count(absl::Status s) {
+  if (s.ok()) {
+    reachable_ = true;
+    return s;
+  }
+  errors_.fetch_add(1);
+  if (s.code() == absl::StatusCode::kUnavailable ||
+      s.code() == absl::StatusCode::kDeadlineExceeded) {
+    reachable_ = false;
+  }
+  return s;
+}
+
+absl::StatusOr<PeerClient::Hello> PeerClient::SayHello() {
+  grpc::ClientContext ctx;
+  Prepare(ctx, options_.host, options_.token, options_.deadline);
+  peer::HelloRequest request;
+  peer::HelloResponse response;
+  grpc::Status s = channel_->stub->Hello(&ctx, request, &response);
+  if (absl::Status st = Count(FromGrpc(
+          s, absl::StrCat("peer ", peer_.name, " (", peer_.address, ")")));
+      !st.ok()) {
+    return st;
+  }
+  return Hello{response.job(), response.host()};
+}
+
+absl::Status PeerClient::ReadTensor(const TensorRef& tensor, int64_t offset,
+                                    int64_t length, char* out) {
+  const std::string where =
+      absl::StrCat("peer ", peer_.name, " (", peer_.address, "), step ",
+                   tensor.step, " under ", tensor.config, ", group ",
+                   tensor.group, " shard ", tensor.shard);
+  grpc::ClientContext ctx;
+  Prepare(ctx, options_.host, options_.token, options_.deadline);
+  peer::ReadTensorRequest request;
+  request.set_step(tensor.step);
+  request.set_config(tensor.config);
+  request.set_group(tensor.group);
+  request.set_shard(tensor.shard);
+  request.set_offset(offset);
+  request.set_length(length);
+  std::unique_ptr<grpc::ClientReader<peer::Chunk>> reader =
+      channel_->stub->ReadTensor(&ctx, request);
+  peer::Chunk chunk;
+  int64_t got = 0;
+  bool overflow = false;
+  while (reader->Read(&chunk)) {
+    const int64_t n = static_cast<int64_t>(chunk.data().size());
+    if (n > length - got) {
+      overflow = true;  // more than asked for: not trusted
+      ctx.TryCancel();
+      break;
+    }
+    std::memcpy(out + got, chunk.data().data(), static_cast<size_t>(n));
+    got += n;
+    bytes_fetched_.fetch_add(n);
+  }
+  grpc::Status finished = reader->Finish();
+  if (overflow) {
+    return Count(absl::DataLossError(
+        absl::StrCat(where, ": sent more than the ", length, " bytes asked")));
+  }
+  if (absl::Status s = Count(FromGrpc(finished, where)); !s.ok()) return s;
+  if (got != length) {
+    return Count(absl::DataLossError(absl::StrCat(
+        where, ": sent ", got, " of the ", length, " bytes asked")));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace scalai

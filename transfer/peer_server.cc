@@ -1,0 +1,211 @@
+#include "transfer/peer_server.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <deque>
+#include <mutex>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "ptc/status_macros.h"
+#include "transfer/peer.grpc.pb.h"
+#include "transfer/peer_call.h"
+#include "transfer/step_view.h"
+
+namespace scalai {
+namespace {
+
+// Bytes sent per message: large enough that a stream runs at the link's
+// rate, well under gRPC's 4 MiB default message limit.
+constexpr int64_t kChunkBytes = 1 << 20;
+// Step views kept for repeated reads of the same step and config.
+constexpr size_t kMaxViews = 8;
+
+// The value of metadata `key`, or `absent` when the call has none.
+std::string Metadata(const grpc::ServerContext& ctx, const char* key,
+                     absl::string_view absent = "") {
+  auto it = ctx.client_metadata().find(key);
+  if (it == ctx.client_metadata().end() || it->second.empty()) {
+    return std::string(absent);
+  }
+  return std::string(it->second.data(), it->second.size());
+}
+
+}  // namespace
+
+struct PeerServer::State {
+  const Store* store = nullptr;
+  Options options;
+  std::unique_ptr<Service> service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+
+  std::mutex mu;  // guards what follows
+  Counters counters;
+  // Views by (step, config asked for, config the step is stored under): a
+  // materialization that stores the step anew makes the old view stale.
+  using ViewKey = std::tuple<int64_t, std::string, std::string>;
+  std::map<ViewKey, std::shared_ptr<const StepView>> views;
+  std::deque<ViewKey> view_order;  // oldest first
+
+  absl::StatusOr<std::shared_ptr<const StepView>> ViewOf(
+      int64_t step, const std::string& config_text) {
+    ASSIGN_OR_RETURN(ParallelConfig config, ParallelConfig::Parse(config_text));
+    ASSIGN_OR_RETURN(std::optional<StepRecord> record, store->FindStep(step));
+    if (!record) {
+      return absl::NotFoundError(
+          absl::StrCat("host ", options.host, " has no step ", step));
+    }
+    ViewKey key{step, config.ToString(), record->config};
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (auto it = views.find(key); it != views.end()) return it->second;
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<StepView> made,
+                     StepView::Create(*store, *record, config));
+    std::shared_ptr<const StepView> view = std::move(made);
+    std::lock_guard<std::mutex> lock(mu);
+    if (views.emplace(key, view).second) {
+      view_order.push_back(key);
+      if (view_order.size() > kMaxViews) {
+        views.erase(view_order.front());
+        view_order.pop_front();
+      }
+    }
+    return view;
+  }
+
+  // The caller's name if it presented the job's token; else the refusal,
+  // counted.
+  grpc::Status Admit(const grpc::ServerContext& ctx, std::string* caller) {
+    if (!TokenMatches(Metadata(ctx, kPeerTokenKey),
+                      BearerToken(options.token))) {
+      std::lock_guard<std::mutex> lock(mu);
+      ++counters.refused;
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          absl::StrCat("host ", options.host,
+                                       ": this call lacks the job's token"));
+    }
+    *caller = Metadata(ctx, kPeerHostKey, "(unnamed)");
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Fail(const absl::Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    ++counters.failed;
+    return ToGrpc(s);
+  }
+};
+
+class PeerServer::Service final : public peer::Peer::Service {
+ public:
+  explicit Service(State& state) : s_(state) {}
+
+  grpc::Status Hello(grpc::ServerContext* ctx, const peer::HelloRequest*,
+                     peer::HelloResponse* response) override {
+    std::string caller;
+    if (grpc::Status admitted = s_.Admit(*ctx, &caller); !admitted.ok()) {
+      return admitted;
+    }
+    response->set_job(s_.options.job);
+    response->set_host(s_.options.host);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ReadTensor(grpc::ServerContext* ctx,
+                          const peer::ReadTensorRequest* request,
+                          grpc::ServerWriter<peer::Chunk>* writer) override {
+    std::string caller;
+    if (grpc::Status admitted = s_.Admit(*ctx, &caller); !admitted.ok()) {
+      return admitted;
+    }
+    absl::StatusOr<std::shared_ptr<const StepView>> view =
+        s_.ViewOf(request->step(), request->config());
+    if (!view.ok()) return s_.Fail(view.status());
+    const Placement& placement = (*view)->placement();
+    const int group = request->group();
+    const int shard = request->shard();
+    if (group < 0 || group >= placement.num_groups() || shard < 0 ||
+        shard >= static_cast<int>(placement.shards(group).size())) {
+      return s_.Fail(absl::OutOfRangeError(absl::StrCat(
+          "no shard ", shard, " in group ", group, " of ", request->config())));
+    }
+    const int64_t size = placement.shards(group)[shard].bytes;
+    const int64_t offset = request->offset();
+    const int64_t length = request->length();
+    if (offset < 0 || length < 0 || offset > size || length > size - offset) {
+      return s_.Fail(absl::OutOfRangeError(absl::StrCat(
+          "bytes [", offset, ", +", length, ") of a ", size, "-byte tensor")));
+    }
+    std::string buffer;
+    peer::Chunk chunk;
+    for (int64_t at = 0; at < length; at += kChunkBytes) {
+      if (ctx->IsCancelled()) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
+      }
+      const int64_t n = std::min(kChunkBytes, length - at);
+      buffer.resize(static_cast<size_t>(n));
+      absl::Status read =
+          (*view)->ReadTensor(group, shard, offset + at, n, buffer.data());
+      if (!read.ok()) return s_.Fail(read);
+      chunk.set_data(buffer);
+      if (!writer->Write(chunk)) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
+      }
+      std::lock_guard<std::mutex> lock(s_.mu);
+      s_.counters.bytes_served[caller] += n;
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  State& s_;
+};
+
+absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(
+    const Store& store, Options options) {
+  std::unique_ptr<PeerServer> server(new PeerServer());
+  server->state_ = std::make_unique<State>();
+  State& s = *server->state_;
+  s.store = &store;
+  s.options = std::move(options);
+  s.service = std::make_unique<Service>(s);
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  if (s.options.tls) {
+    grpc::SslServerCredentialsOptions tls(
+        GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    tls.pem_root_certs = s.options.tls->ca;
+    tls.pem_key_cert_pairs.push_back({s.options.tls->key, s.options.tls->cert});
+    credentials = grpc::SslServerCredentials(tls);
+  } else {
+    credentials = grpc::InsecureServerCredentials();
+  }
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(s.options.address, credentials, &s.port);
+  builder.RegisterService(s.service.get());
+  s.server = builder.BuildAndStart();
+  if (s.server == nullptr || s.port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("host ", s.options.host, ": cannot listen on ",
+                     s.options.address, " (in use, or not this host's?)"));
+  }
+  return server;
+}
+
+PeerServer::~PeerServer() {
+  // Calls still streaming get a second to end, then are cancelled.
+  if (state_ && state_->server) {
+    state_->server->Shutdown(std::chrono::system_clock::now() +
+                             std::chrono::seconds(1));
+  }
+}
+
+int PeerServer::port() const { return state_->port; }
+
+PeerServer::Counters PeerServer::counters() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->counters;
+}
+
+}  // namespace scalai
