@@ -571,22 +571,19 @@ struct Guarded<Handler> {
   }
 };
 
-absl::Status Serve(Store& store, std::unique_ptr<Tree> tree,
-                   const MountOptions& options) {
+absl::Status Serve(Job& job, const MountOptions& options) {
   Server server;
   server.uid = getuid();
   server.gid = getgid();
   clock_gettime(CLOCK_REALTIME, &server.start);
-  Job::Options job_options;
-  job_options.keep_steps = options.keep_steps;
+  server.job = &job;
   // After a switch the next path walk must find the new generation, and the
   // older trees' inodes are reported gone.
-  job_options.on_switch = [&server](std::vector<std::string> names) {
+  job.SetOnSwitch([&server](std::vector<std::string> names) {
     InvalidateRoot(server, std::move(names));
     ReapOldTrees(server);
-  };
-  Job job(store, std::move(tree), std::move(job_options));
-  server.job = &job;
+  });
+  absl::Cleanup forget_server = [&job] { job.SetOnSwitch(nullptr); };
   fuse_lowlevel_ops ops = {};
   ops.init = OnInit;
   ops.lookup = Guarded<OnLookup>::Run;
@@ -640,6 +637,8 @@ absl::Status Serve(Store& store, std::unique_ptr<Tree> tree,
   // `mount --config`, or a materialization cut short) catches up now.
   job.StartMaterialization();
   absl::Cleanup stop = [&server, &job] {
+    // A switch from now on (a cluster's config arriving) tells no kernel.
+    job.SetOnSwitch(nullptr);
     job.StopMaterialization();
     // Steps not committed are discarded: their blobs go now.
     job.saves().Clear();
@@ -660,9 +659,8 @@ absl::Status Serve(Store& store, std::unique_ptr<Tree> tree,
 
 }  // namespace fuse
 
-absl::Status ServeMount(Store& store, std::unique_ptr<Tree> tree,
-                        const MountOptions& options) {
-  return fuse::Serve(store, std::move(tree), options);
+absl::Status ServeMount(Job& job, const MountOptions& options) {
+  return fuse::Serve(job, options);
 }
 
 }  // namespace scalai

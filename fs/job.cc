@@ -11,9 +11,10 @@ namespace scalai {
 
 Job::Job(Store& store, std::unique_ptr<Tree> tree, Options options)
     : store_(store),
-      options_(std::move(options)),
+      keep_steps_(options.keep_steps),
       saves_(std::make_unique<SaveArea>(store)),
-      current_(std::move(tree)) {
+      current_(std::move(tree)),
+      on_switch_(std::move(options.on_switch)) {
   trees_[current_->generation()] = current_;
 }
 
@@ -101,18 +102,57 @@ std::vector<std::shared_ptr<const Tree>> Job::SwitchLocked(
   return older;
 }
 
+void Job::SetOnSwitch(OnSwitch on_switch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_switch_ = std::move(on_switch);
+}
+
+void Job::SetAgreement(Agreement agreement) {
+  std::lock_guard<std::mutex> lock(mu_);
+  agreement_ = std::move(agreement);
+}
+
+void Job::SetStatusSection(std::string key, StatusSection section) {
+  std::lock_guard<std::mutex> lock(mu_);
+  status_key_ = std::move(key);
+  status_section_ = std::move(section);
+}
+
 absl::Status Job::Reconfigure(const ParallelConfig& config) {
+  return Change(config, /*agree=*/true);
+}
+
+absl::Status Job::ApplyAgreed(const ParallelConfig& config) {
+  return Change(config, /*agree=*/false);
+}
+
+absl::Status Job::Change(const ParallelConfig& config, bool agree) {
   std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
   std::vector<std::string> names;
+  OnSwitch on_switch;
   bool switched = false;
   absl::Status result = [&]() -> absl::Status {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (config == current_->config()) {
-      // The same config again retries a failed materialization (space
-      // freed, a blob restored); otherwise it changes nothing.
-      if (materialization_failed_) StartMaterializationLocked();
-      return absl::OkStatus();
+    Agreement agreement;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (config == current_->config()) {
+        // The same config again retries a failed materialization (space
+        // freed, a blob restored); otherwise it changes nothing.
+        if (materialization_failed_) StartMaterializationLocked();
+        return absl::OkStatus();
+      }
+      RETURN_IF_ERROR(CheckGenerationLocked());
+      // Validated before anyone else is asked: a config this store cannot
+      // serve is refused here, and agreed nowhere.
+      RETURN_IF_ERROR(
+          Tree::Build(store_, config, current_->generation() + 1).status());
+      if (agree) agreement = agreement_;
     }
+    // The agreement may take a network round trip: the lock is not held,
+    // so the mount keeps answering meanwhile.
+    if (agreement) RETURN_IF_ERROR(agreement(config));
+    std::lock_guard<std::mutex> lock(mu_);
+    if (config == current_->config()) return absl::OkStatus();  // applied
     RETURN_IF_ERROR(CheckGenerationLocked());
     ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
                      Tree::Build(store_, config, current_->generation() + 1));
@@ -126,20 +166,20 @@ absl::Status Job::Reconfigure(const ParallelConfig& config) {
     std::lock_guard<std::mutex> lock(mu_);
     error_ = result.ok() ? "" : std::string(result.message());
     if (switched) names = RootNamesLocked();
+    on_switch = on_switch_;
   }
-  if (switched && options_.on_switch) options_.on_switch(std::move(names));
+  if (switched && on_switch) on_switch(std::move(names));
   return result;
 }
 
 // Drops the oldest steps beyond keep_steps, sparing any step a handle of any
 // generation has open.
 void Job::ApplyRetentionLocked() {
-  if (options_.keep_steps <= 0) return;
+  if (keep_steps_ <= 0) return;
   absl::StatusOr<std::vector<StepRecord>> steps = store_.Steps();
   if (!steps.ok()) return;
   // Steps are in step order: all but the newest keep_steps go.
-  const int64_t older =
-      static_cast<int64_t>(steps->size()) - options_.keep_steps;
+  const int64_t older = static_cast<int64_t>(steps->size()) - keep_steps_;
   for (int64_t i = 0; i < older; ++i) {
     const int64_t step = (*steps)[i].step;
     bool open = false;
@@ -155,6 +195,7 @@ void Job::ApplyRetentionLocked() {
 absl::Status Job::PublishStep(int64_t step) {
   std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
   std::vector<std::string> names;
+  OnSwitch on_switch;
   {
     std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(saves_->Commit(step));
@@ -172,8 +213,9 @@ absl::Status Job::PublishStep(int64_t step) {
     }
     error_.clear();  // the step is whole: earlier refusals are moot
     names = RootNamesLocked();
+    on_switch = on_switch_;
   }
-  if (options_.on_switch) options_.on_switch(std::move(names));
+  if (on_switch) on_switch(std::move(names));
   return absl::OkStatus();
 }
 
@@ -298,6 +340,7 @@ std::string Job::StatusText() {
                       {"bytes_to_move", total},
                       {"bytes_moved", done}};
   if (!error_.empty()) j["error"] = error_;
+  if (status_section_) j[status_key_] = status_section_();
   // Steps being saved, and the dp_rank 0 ranks each still waits for.
   j["saving"] = nlohmann::json::array();
   for (const auto& [step, missing] : saves_->Pending())

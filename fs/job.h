@@ -27,6 +27,7 @@
 #include "absl/time/time.h"
 #include "fs/save_area.h"
 #include "fs/tree.h"
+#include "nlohmann/json.hpp"
 #include "ptc/parallel_config.h"
 #include "transfer/store.h"
 
@@ -34,14 +35,23 @@ namespace scalai {
 
 class Job {
  public:
+  // Called after each switch to a new generation, without the lock held,
+  // with the names in the new root: the adapter drops the kernel's entries
+  // for them and retires the older trees' inodes.
+  using OnSwitch = std::function<void(std::vector<std::string> root_names)>;
+  // Asked, without the lock held, to make a config that this store can serve
+  // current wherever else it must be (the other hosts of a cluster); an
+  // error refuses the reconfiguration and changes nothing here.
+  using Agreement = std::function<absl::Status(const ParallelConfig&)>;
+  // More of `status`, under the key it names; called with the job's lock
+  // held, so it must not call the job.
+  using StatusSection = std::function<nlohmann::json()>;
+
   struct Options {
     // After each step published, keep the newest K steps (0: all); a step
     // with a file open in any live tree is kept until a later commit.
     int keep_steps = 0;
-    // Called after each switch to a new generation, without the lock held,
-    // with the names in the new root: the adapter drops the kernel's entries
-    // for them and retires the older trees' inodes.
-    std::function<void(std::vector<std::string> root_names)> on_switch;
+    OnSwitch on_switch;
   };
 
   Job(Store& store, std::unique_ptr<Tree> tree, Options options);
@@ -71,11 +81,21 @@ class Job {
   // more is let go.
   void Forget(uint64_t ino, uint64_t nlookup);
 
-  // Makes `config` current: validates it, records it in the store, switches
-  // every view at once and starts materializing it. The same config again
-  // retries a failed materialization and otherwise changes nothing. On an
-  // error nothing changed, and `status` says why.
+  // Hooks set by whoever serves or coordinates the job; each replaces the
+  // one before.
+  void SetOnSwitch(OnSwitch on_switch);
+  void SetAgreement(Agreement agreement);
+  void SetStatusSection(std::string key, StatusSection section);
+
+  // Makes `config` current: validates it, has it agreed (SetAgreement),
+  // records it in the store, switches every view at once and starts
+  // materializing it. The same config again retries a failed
+  // materialization and otherwise changes nothing. On an error nothing
+  // changed, and `status` says why.
   absl::Status Reconfigure(const ParallelConfig& config);
+  // The same for a config already agreed elsewhere (another host wrote it):
+  // no agreement is asked for.
+  absl::Status ApplyAgreed(const ParallelConfig& config);
   // Commits a step whose every dp_rank 0 rank has a valid shard, applies the
   // retention, and switches to a tree that shows it (`latest` moves).
   absl::Status PublishStep(int64_t step);
@@ -93,6 +113,7 @@ class Job {
   std::string StatusText();
 
  private:
+  absl::Status Change(const ParallelConfig& config, bool agree);
   void StartMaterializationLocked();  // requires mu_
   void Materialize(const ParallelConfig& target,
                    const std::atomic<bool>& cancel);
@@ -104,7 +125,7 @@ class Job {
   absl::Status CheckGenerationLocked() const;
 
   Store& store_;
-  const Options options_;
+  const int keep_steps_;
   std::unique_ptr<SaveArea> saves_;  // thread-safe on its own
 
   // Lock order: mu_ only. Every catalog change happens under mu_, so a tree
@@ -115,6 +136,11 @@ class Job {
   // Trees the kernel may still name inodes of, by generation; guarded by mu_.
   std::map<uint64_t, std::shared_ptr<const Tree>> trees_;
   std::string error_;  // guarded by mu_
+  // The hooks; guarded by mu_, and called on copies without it.
+  OnSwitch on_switch_;
+  Agreement agreement_;
+  std::string status_key_;
+  StatusSection status_section_;
 
   // The newest materialization worker and its cancel flag; guarded by mu_.
   // Each worker joins the one it superseded, so joining the newest joins all.

@@ -28,6 +28,7 @@ struct Command {
   std::function<absl::Status()> run;
 };
 
+Command AddClusterCommand(CLI::App& root);
 Command AddDatasetCommand(CLI::App& root);
 Command AddExportCommand(CLI::App& root);
 Command AddFsckCommand(CLI::App& root);

@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "fs/cluster_member.h"
 #include "fs/fuse_server.h"
 #include "fs/tree.h"
 #include "nlohmann/json.hpp"
@@ -33,6 +34,7 @@ namespace {
 
 struct MountCliOptions {
   std::string store, mountpoint, config;
+  std::string cluster, host;  // both, for a host of a cluster
   bool foreground = false;
   bool allow_other = false;
   int keep_steps = 0;
@@ -64,12 +66,21 @@ absl::Status Serve(const MountCliOptions& o,
   // store cannot serve changes nothing.
   ASSIGN_OR_RETURN(std::unique_ptr<Tree> tree, Tree::Build(*store, *config));
   RETURN_IF_ERROR(store->SetCurrentConfig(*config));
+  Job::Options job_options;
+  job_options.keep_steps = o.keep_steps;
+  Job job(*store, std::move(tree), job_options);
+  // A host of a cluster joins it before the mount answers: the views are
+  // the cluster's config from the first read.
+  std::unique_ptr<ClusterMember> member;
+  if (!o.cluster.empty()) {
+    ASSIGN_OR_RETURN(ClusterFile cluster, ClusterFile::Load(o.cluster));
+    ASSIGN_OR_RETURN(member, ClusterMember::Join(job, cluster, o.host));
+  }
   MountOptions mount;
   mount.mountpoint = o.mountpoint;
   mount.allow_other = o.allow_other;
-  mount.keep_steps = o.keep_steps;
   mount.on_ready = ready;
-  return ServeMount(*store, std::move(tree), mount);
+  return ServeMount(job, mount);
 }
 
 // `fusermount3 -u MOUNTPOINT`, exec'd with an argument vector: a path is
@@ -112,6 +123,18 @@ absl::Status RequireDirectory(const std::string& path) {
 }
 
 absl::Status RunMount(MountCliOptions o) {
+  if (o.cluster.empty() != o.host.empty()) {
+    return absl::InvalidArgumentError(
+        "--cluster and --host go together: the cluster file, and which of "
+        "its hosts this is");
+  }
+  if (!o.cluster.empty()) {
+    // Checked here, so that a mistake in it is reported before anything
+    // starts.
+    ASSIGN_OR_RETURN(o.cluster, Absolute(o.cluster));
+    ASSIGN_OR_RETURN(ClusterFile cluster, ClusterFile::Load(o.cluster));
+    RETURN_IF_ERROR(cluster.FindHost(o.host).status());
+  }
   ASSIGN_OR_RETURN(o.store, Absolute(o.store));
   ASSIGN_OR_RETURN(o.mountpoint, Absolute(o.mountpoint));
   RETURN_IF_ERROR(RequireDirectory(o.mountpoint));
@@ -302,6 +325,10 @@ Command AddMountCommand(CLI::App& root) {
                 "serve in this process until unmounted");
   app->add_flag("--allow-other", o->allow_other,
                 "let other users see the mount");
+  app->add_option("--cluster", o->cluster,
+                  "the cluster file: this mount is one host of a job that "
+                  "spans hosts");
+  app->add_option("--host", o->host, "which host of the cluster file this is");
   app->add_option("--keep-steps", o->keep_steps,
                   "after each step saved through the mount, keep the newest "
                   "K steps (default: all)")

@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
       scalai::AddFsckCommand(root),    scalai::AddPlanCommand(root),
       scalai::AddSynthCommand(root),   scalai::AddMountCommand(root),
       scalai::AddUmountCommand(root),  scalai::AddReconfigureCommand(root),
-      scalai::AddDatasetCommand(root),
+      scalai::AddDatasetCommand(root), scalai::AddClusterCommand(root),
   };
   // CLI11 takes an unknown first word for a stray argument and says only that
   // a subcommand is required; name the word and the commands instead.

@@ -237,7 +237,7 @@ absl::StatusOr<int64_t> EtcdClient::PutValue(const std::string& key,
   return response.header().revision();
 }
 
-absl::StatusOr<bool> EtcdClient::Commit(const Txn& txn) {
+absl::StatusOr<EtcdClient::Committed> EtcdClient::Commit(const Txn& txn) {
   pb::TxnRequest request;
   for (const Condition& c : txn.conditions) {
     pb::Compare* compare = request.add_compare();
@@ -266,7 +266,7 @@ absl::StatusOr<bool> EtcdClient::Commit(const Txn& txn) {
   pb::TxnResponse response;
   grpc::Status s = stubs_->kv->Txn(&ctx, request, &response);
   if (!s.ok()) return Failed(s, "a transaction");
-  return response.succeeded();
+  return Committed{response.succeeded(), response.header().revision()};
 }
 
 absl::StatusOr<int64_t> EtcdClient::GrantLease(absl::Duration ttl) {

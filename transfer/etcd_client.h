@@ -9,7 +9,7 @@
 //   EtcdClient::Txn txn;
 //   txn.conditions.push_back({.key = "/job/config", .mod_revision = rev});
 //   txn.puts.push_back({.key = "/job/config", .value = "tp=2,pp=1,dp=4"});
-//   ASSIGN_OR_RETURN(bool applied, etcd->Commit(txn));
+//   ASSIGN_OR_RETURN(EtcdClient::Committed c, etcd->Commit(txn));
 #ifndef SCALAI_TRANSFER_ETCD_CLIENT_H_
 #define SCALAI_TRANSFER_ETCD_CLIENT_H_
 
@@ -90,8 +90,13 @@ class EtcdClient {
   // Returns the revision of the change.
   absl::StatusOr<int64_t> PutValue(const std::string& key,
                                    const std::string& value, int64_t lease = 0);
-  // Whether the transaction applied (false: a condition did not hold).
-  absl::StatusOr<bool> Commit(const Txn& txn);
+  // Whether the transaction applied (false: a condition did not hold), and
+  // the store's revision after it: the revision of its changes if it did.
+  struct Committed {
+    bool applied = false;
+    int64_t revision = 0;
+  };
+  absl::StatusOr<Committed> Commit(const Txn& txn);
 
   // A lease that expires `ttl` after its last keep-alive; keys put with it
   // go when it does.

@@ -72,9 +72,10 @@ TEST_F(EtcdClientTest, TransactionsApplyWholeOrNotAtAll) {
   create.puts.push_back({"/job/generation", "1"});
   auto applied = etcd_->Commit(create);
   ASSERT_TRUE(applied.ok()) << applied.status();
-  EXPECT_TRUE(*applied);
+  EXPECT_TRUE(applied->applied);
+  EXPECT_EQ((*etcd_->Get("/job/config"))->mod_revision, applied->revision);
   create.puts[1].value = "99";
-  EXPECT_FALSE(*etcd_->Commit(create));
+  EXPECT_FALSE(etcd_->Commit(create)->applied);
   EXPECT_EQ((*etcd_->Get("/job/generation"))->value, "1");
 
   // A compare-and-swap on the revision read: one of two racing writers wins.
@@ -91,8 +92,8 @@ TEST_F(EtcdClientTest, TransactionsApplyWholeOrNotAtAll) {
   ASSERT_TRUE(etcd_->PutValue("/job/progress/h0", "x").ok());
   ASSERT_TRUE(etcd_->PutValue("/job/progress/h1", "y").ok());
   ASSERT_TRUE(etcd_->PutValue("/job/progressive", "kept").ok());
-  EXPECT_TRUE(*etcd_->Commit(a));
-  EXPECT_FALSE(*etcd_->Commit(b));
+  EXPECT_TRUE(etcd_->Commit(a)->applied);
+  EXPECT_FALSE(etcd_->Commit(b)->applied);
   EXPECT_EQ((*etcd_->Get("/job/config"))->value, "tp=4,pp=1,dp=1");
   EXPECT_TRUE(etcd_->GetPrefix("/job/progress/")->kvs.empty());
   EXPECT_TRUE(etcd_->Get("/job/progressive")->has_value());
@@ -137,7 +138,7 @@ TEST_F(EtcdClientTest, WatchSeesEveryChangeAfterTheRevisionInOrder) {
   ASSERT_TRUE(etcd_->PutValue("/elsewhere", "unseen").ok());
   EtcdClient::Txn del;
   del.deletes.push_back("/job/config");
-  ASSERT_TRUE(*etcd_->Commit(del));
+  ASSERT_TRUE(etcd_->Commit(del)->applied);
   std::unique_lock<std::mutex> lock(mu);
   ASSERT_TRUE(changed.wait_for(lock, std::chrono::seconds(20),
                                [&] { return events.size() >= 3; }));

@@ -1,0 +1,326 @@
+#include "fs/cluster_member.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "ptc/status_macros.h"
+
+namespace scalai {
+namespace {
+
+// The value of the config key: the config, the cluster's generation (one
+// more at each change) and the host that wrote it.
+struct Agreed {
+  ParallelConfig config;
+  int64_t generation = 0;
+  std::string by;
+};
+
+std::string AgreedValue(const ParallelConfig& config, int64_t generation,
+                        const std::string& by) {
+  return nlohmann::json{
+      {"config", config.ToString()}, {"generation", generation}, {"by", by}}
+      .dump();
+}
+
+absl::StatusOr<Agreed> ParseAgreed(const std::string& value) {
+  nlohmann::json j = nlohmann::json::parse(value, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("config") ||
+      !j["config"].is_string() || !j.contains("generation") ||
+      !j["generation"].is_number_integer()) {
+    return absl::DataLossError(
+        absl::StrCat("the cluster's config key holds no config: ", value));
+  }
+  ASSIGN_OR_RETURN(ParallelConfig config,
+                   ParallelConfig::Parse(j["config"].get<std::string>()));
+  return Agreed{config, j["generation"].get<int64_t>(),
+                j.value("by", std::string())};
+}
+
+}  // namespace
+
+std::string ClusterMember::Key(const std::string& job,
+                               const std::string& what) {
+  return absl::StrCat("/scalai/", job, "/", what);
+}
+
+ClusterMember::ClusterMember(Job& job, ClusterFile cluster, std::string host)
+    : job_(job), cluster_(std::move(cluster)), host_(std::move(host)) {}
+
+absl::StatusOr<std::unique_ptr<ClusterMember>> ClusterMember::Join(
+    Job& job, const ClusterFile& cluster, const std::string& host) {
+  ASSIGN_OR_RETURN(const ClusterHost* me, cluster.FindHost(host));
+  std::unique_ptr<ClusterMember> member(new ClusterMember(job, cluster, host));
+  member->address_ = me->address;
+  RETURN_IF_ERROR(member->Start());
+  return member;
+}
+
+absl::Status ClusterMember::Start() {
+  ASSIGN_OR_RETURN(etcd_, EtcdClient::Connect(cluster_.etcd, cluster_.tls,
+                                              absl::Seconds(5)));
+  // The cluster's config: created from this host's when there is none yet,
+  // in a transaction that a host joining at the same moment cannot race.
+  EtcdClient::Txn create;
+  create.conditions.push_back({Key("config"), 0});
+  create.puts.push_back(
+      {Key("config"), AgreedValue(job_.current()->config(), 1, host_)});
+  RETURN_IF_ERROR(etcd_->Commit(create).status());
+  ASSIGN_OR_RETURN(std::optional<EtcdClient::KeyValue> kv,
+                   etcd_->Get(Key("config")));
+  if (!kv) {
+    return absl::UnavailableError(
+        absl::StrCat("etcd lost the cluster's config key ", Key("config")));
+  }
+  ASSIGN_OR_RETURN(Agreed agreed, ParseAgreed(kv->value));
+  if (absl::Status s = job_.ApplyAgreed(agreed.config); !s.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("host ", host_, " cannot serve the cluster's config ",
+                     agreed.config.ToString(), ": ", s.message()));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    seen_revision_ = kv->mod_revision;
+    generation_ = agreed.generation;
+  }
+  PeerServer::Options peer;
+  peer.job = cluster_.job;
+  peer.host = host_;
+  peer.address = address_;
+  peer.token = cluster_.token;
+  peer.tls = cluster_.tls;
+  ASSIGN_OR_RETURN(peers_, PeerServer::Start(job_.store(), peer));
+  RETURN_IF_ERROR(Register());
+  RETURN_IF_ERROR(Watch(kv->mod_revision));
+  job_.SetAgreement(
+      [this](const ParallelConfig& config) { return Propose(config); });
+  job_.SetStatusSection("cluster", [this] { return StatusSection(); });
+  RecordProgress();
+  ReadCluster();
+  beat_ = std::thread([this] { Beat(); });
+  return absl::OkStatus();
+}
+
+ClusterMember::~ClusterMember() {
+  job_.SetAgreement(nullptr);
+  job_.SetStatusSection("", nullptr);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (beat_.joinable()) beat_.join();
+  std::unique_ptr<EtcdClient::Watch> watch;
+  int64_t lease = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    watch = std::move(watch_);
+    lease = lease_;
+  }
+  watch.reset();
+  // Not live from now on, rather than when the lease runs out.
+  if (lease != 0 && etcd_ != nullptr) (void)etcd_->RevokeLease(lease);
+  peers_.reset();
+}
+
+absl::Status ClusterMember::Register() {
+  ASSIGN_OR_RETURN(int64_t lease, etcd_->GrantLease(kLeaseTtl));
+  RETURN_IF_ERROR(etcd_
+                      ->PutValue(Key("members/" + host_),
+                                 nlohmann::json{{"address", address_}}.dump(),
+                                 lease)
+                      .status());
+  std::lock_guard<std::mutex> lock(mu_);
+  lease_ = lease;
+  return absl::OkStatus();
+}
+
+absl::Status ClusterMember::Watch(int64_t after) {
+  ASSIGN_OR_RETURN(std::unique_ptr<EtcdClient::Watch> watch,
+                   etcd_->WatchPrefix(Key("config"), after,
+                                      [this](const EtcdClient::Event& e) {
+                                        if (!e.deleted) Apply(e.kv);
+                                      }));
+  std::unique_ptr<EtcdClient::Watch> old;  // joined unlocked
+  std::lock_guard<std::mutex> lock(mu_);
+  old = std::exchange(watch_, std::move(watch));
+  return absl::OkStatus();
+}
+
+void ClusterMember::Apply(const EtcdClient::KeyValue& kv) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (kv.mod_revision <= seen_revision_) return;  // seen (or our own)
+  }
+  absl::StatusOr<Agreed> agreed = ParseAgreed(kv.value);
+  if (!agreed.ok()) {
+    job_.ReportError(agreed.status().message());
+    return;
+  }
+  // A config this host cannot serve is reported in its status by the job;
+  // the cluster's generation moves on all the same.
+  (void)job_.ApplyAgreed(agreed->config);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (kv.mod_revision > seen_revision_) {
+      seen_revision_ = kv.mod_revision;
+      generation_ = agreed->generation;
+    }
+  }
+  wake_.notify_all();  // record the progress now
+}
+
+absl::Status ClusterMember::Propose(const ParallelConfig& config) {
+  std::lock_guard<std::mutex> one_at_a_time(propose_mu_);
+  int64_t revision = 0;
+  int64_t generation = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    revision = seen_revision_;
+    generation = generation_;
+  }
+  EtcdClient::Txn txn;
+  txn.conditions.push_back({Key("config"), revision});
+  txn.puts.push_back(
+      {Key("config"), AgreedValue(config, generation + 1, host_)});
+  absl::StatusOr<EtcdClient::Committed> committed = etcd_->Commit(txn);
+  if (!committed.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("the cluster could not agree on ", config.ToString(), ": ",
+                     committed.status().message()));
+  }
+  if (!committed->applied) {
+    std::string now = "unknown";
+    if (auto kv = etcd_->Get(Key("config")); kv.ok() && *kv) {
+      if (auto a = ParseAgreed((*kv)->value); a.ok()) {
+        now = absl::StrCat(a->config.ToString(), " (generation ", a->generation,
+                           ", by ", a->by, ")");
+      }
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("another host changed the cluster's config meanwhile; "
+                     "it is now ",
+                     now, ": write yours again if it is still wanted"));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  seen_revision_ = std::max(seen_revision_, committed->revision);
+  generation_ = generation + 1;
+  return absl::OkStatus();
+}
+
+void ClusterMember::Beat() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait_for(lock, absl::ToChronoMilliseconds(kBeat),
+                     [this] { return stopping_.load(); });
+      if (stopping_) return;
+    }
+    int64_t lease = 0;
+    bool watching = false;
+    int64_t revision = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      lease = lease_;
+      watching = watch_ != nullptr && watch_->status().ok();
+      revision = seen_revision_;
+    }
+    absl::Status s = etcd_->KeepAlive(lease);
+    if (s.code() == absl::StatusCode::kNotFound) {
+      s = Register();  // cut off longer than the lease: live again
+    }
+    if (s.ok() && !watching) {
+      // The watch ended (etcd restarted, a leader lost): catch up on what
+      // was missed, then watch again from there.
+      absl::StatusOr<std::optional<EtcdClient::KeyValue>> kv =
+          etcd_->Get(Key("config"));
+      s = kv.status();
+      if (s.ok() && *kv) Apply(**kv);
+      if (s.ok()) s = Watch(std::max(revision, *kv ? (*kv)->mod_revision : 0));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      etcd_error_ = s.ok() ? "" : std::string(s.message());
+    }
+    if (s.ok()) {
+      RecordProgress();
+      ReadCluster();
+    }
+  }
+}
+
+void ClusterMember::RecordProgress() {
+  nlohmann::json status =
+      nlohmann::json::parse(job_.StatusText(), nullptr, false);
+  if (status.is_discarded()) return;
+  nlohmann::json progress;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    progress = {{"generation", generation_},
+                {"config", status["config"]},
+                {"state", status["state"]},
+                {"progress", status["progress"]},
+                {"bytes_moved", status["bytes_moved"]},
+                {"error", status["error"]}};
+  }
+  const std::string value = progress.dump();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (value == progress_written_) return;
+  }
+  if (etcd_->PutValue(Key("progress/" + host_), value).ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    progress_written_ = value;
+  }
+}
+
+void ClusterMember::ReadCluster() {
+  absl::StatusOr<EtcdClient::Snapshot> keys = etcd_->GetPrefix(Key(""));
+  if (!keys.ok()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    etcd_error_ = std::string(keys.status().message());
+    return;
+  }
+  std::map<std::string, nlohmann::json> live, progress;
+  const std::string members = Key("members/");
+  const std::string done = Key("progress/");
+  for (const EtcdClient::KeyValue& kv : keys->kvs) {
+    nlohmann::json value = nlohmann::json::parse(kv.value, nullptr, false);
+    if (value.is_discarded()) continue;
+    if (kv.key.rfind(members, 0) == 0)
+      live[kv.key.substr(members.size())] = value;
+    if (kv.key.rfind(done, 0) == 0)
+      progress[kv.key.substr(done.size())] = value;
+  }
+  nlohmann::json hosts = nlohmann::json::array();
+  for (const ClusterHost& h : cluster_.hosts) {
+    nlohmann::json entry = {{"name", h.name},
+                            {"address", h.address},
+                            {"live", live.count(h.name) > 0}};
+    if (auto it = progress.find(h.name); it != progress.end()) {
+      for (const auto& [key, value] : it->second.items()) entry[key] = value;
+    }
+    hosts.push_back(std::move(entry));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  hosts_ = std::move(hosts);
+}
+
+nlohmann::json ClusterMember::StatusSection() {
+  PeerServer::Counters counters = peers_->counters();
+  std::lock_guard<std::mutex> lock(mu_);
+  nlohmann::json served = nlohmann::json::object();
+  for (const auto& [host, bytes] : counters.bytes_served) served[host] = bytes;
+  nlohmann::json j = {{"job", cluster_.job},
+                      {"host", host_},
+                      {"generation", generation_},
+                      {"etcd_error", nullptr},
+                      {"hosts", hosts_},
+                      {"peer_calls_refused", counters.refused},
+                      {"peer_calls_failed", counters.failed},
+                      {"bytes_served", served}};
+  if (!etcd_error_.empty()) j["etcd_error"] = etcd_error_;
+  return j;
+}
+
+}  // namespace scalai

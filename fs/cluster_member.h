@@ -1,0 +1,97 @@
+// A ClusterMember is one host's part in a job that spans hosts
+// (docs/reference.md, "Clusters"). It keeps the host a live member in etcd
+// (a lease it renews), serves the host's store to its peers over gRPC, makes
+// a config written on this host current for the whole cluster in one etcd
+// transaction (the job's agreement), and applies every config agreed
+// elsewhere as its watch sees it; a host that was away catches up when it
+// returns. It records this host's progress in etcd and shows every host's in
+// `status` under "cluster".
+//
+//   Job job(*store, std::move(tree), {});
+//   ASSIGN_OR_RETURN(auto member, ClusterMember::Join(job, cluster, "h0"));
+//   RETURN_IF_ERROR(ServeMount(job, {.mountpoint = "/mnt/job"}));
+#ifndef SCALAI_FS_CLUSTER_MEMBER_H_
+#define SCALAI_FS_CLUSTER_MEMBER_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "fs/job.h"
+#include "nlohmann/json.hpp"
+#include "transfer/cluster_file.h"
+#include "transfer/etcd_client.h"
+#include "transfer/peer_server.h"
+
+namespace scalai {
+
+class ClusterMember {
+ public:
+  // How long a host stays live in etcd without renewing its lease.
+  static constexpr absl::Duration kLeaseTtl = absl::Seconds(5);
+  // How often the lease is renewed, progress recorded and the other
+  // hosts' state read.
+  static constexpr absl::Duration kBeat = absl::Milliseconds(500);
+
+  // Joins the job as host `host`: the cluster's config, when there is one,
+  // becomes this host's (refused, naming why, if its store cannot serve
+  // it); otherwise this host's config becomes the cluster's.
+  static absl::StatusOr<std::unique_ptr<ClusterMember>> Join(
+      Job& job, const ClusterFile& cluster, const std::string& host);
+  // Leaves: the job no longer asks etcd, the lease is revoked (the host is
+  // no longer live at once), the peer service stops.
+  ~ClusterMember();
+  ClusterMember(const ClusterMember&) = delete;
+  ClusterMember& operator=(const ClusterMember&) = delete;
+
+  // etcd's key for `what` of job `job`.
+  static std::string Key(const std::string& job, const std::string& what);
+
+ private:
+  ClusterMember(Job& job, ClusterFile cluster, std::string host);
+  absl::Status Start();
+  // The job's agreement: one etcd transaction, conditional on the config
+  // this host last saw, makes `config` the cluster's.
+  absl::Status Propose(const ParallelConfig& config);
+  // Applies an agreed config value from etcd, if newer than the one seen.
+  void Apply(const EtcdClient::KeyValue& kv);
+  absl::Status Watch(int64_t after);
+  absl::Status Register();
+  void Beat();
+  void RecordProgress();
+  void ReadCluster();
+  nlohmann::json StatusSection();
+  std::string Key(const std::string& what) const {
+    return Key(cluster_.job, what);
+  }
+
+  Job& job_;
+  const ClusterFile cluster_;
+  const std::string host_;
+  std::string address_;
+  std::unique_ptr<EtcdClient> etcd_;
+  std::unique_ptr<PeerServer> peers_;
+
+  std::mutex mu_;  // guards what follows; never held while calling the job
+  int64_t seen_revision_ = 0;  // of the config key, as last seen
+  int64_t generation_ = 0;     // the cluster's, counting config changes
+  int64_t lease_ = 0;
+  nlohmann::json hosts_ = nlohmann::json::array();  // as last read
+  std::string etcd_error_;        // the last failure to reach etcd
+  std::string progress_written_;  // the last progress value put
+  std::unique_ptr<EtcdClient::Watch> watch_;
+
+  std::mutex propose_mu_;  // one proposal at a time from this host
+  std::atomic<bool> stopping_{false};
+  std::condition_variable wake_;  // with mu_: ends a beat's wait early
+  std::thread beat_;
+};
+
+}  // namespace scalai
+
+#endif  // SCALAI_FS_CLUSTER_MEMBER_H_

@@ -1,0 +1,269 @@
+#!/usr/bin/python3
+"""A job across hosts: four hosts, each in its own network namespace with its
+own store (every host imported the same checkpoint), agreeing through a
+three-member etcd cluster in namespaces of its own. A random walk of configs,
+each written to a random host's mount, must become every host's config, with
+every rank's bytes equal to numpy slicing of the full tensors on every host.
+A config one host refuses changes nothing anywhere; two hosts writing at
+once end on one config everywhere; the etcd leader killed, the cluster still
+reconfigures; a host that leaves is shown not live and, mounted again,
+catches up with the configs it missed. Each store passes fsck at the end.
+Exits 77 only where /dev/fuse is missing or namespaces cannot be made."""
+import errno
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Mounts, require_fuse, test_seed  # noqa
+from netns import Etcd, Network, require_netns  # noqa
+from reference import parse_config, rank_shards, random_gpt, scalai, write_safetensors  # noqa
+from views import check_bytes, status  # noqa
+
+BIN = sys.argv[1]
+STEPS = int(os.environ.get("SCALAI_CLUSTER_STEPS", "12"))
+LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, DIVISOR = 4, 96, 6, 6, 192, 101, 8
+LAYOUT = ["--layout", "megatron-core-gpt", "--param", f"vocab_size={VOCAB}",
+          "--param", "gated_linear_unit=1", "--param", f"make_vocab_size_divisible_by={DIVISOR}",
+          "--param", f"num_query_groups={GROUPS}"]
+HOSTS = ["h0", "h1", "h2", "h3"]
+MEMBERS = ["e0", "e1", "e2"]
+START = "tp=2,pp=1,dp=1"
+
+
+def run(*args, expect=0):
+    return scalai(BIN, *args, expect=expect)
+
+
+def next_config(r, config):
+    while True:
+        tp, pp, dp = r.choice([1, 2, 3, 6]), r.randint(1, 4), r.randint(1, 3)
+        new = f"tp={tp},pp={pp},dp={dp}"
+        if new != config:
+            return new
+
+
+def write_config(mnt, config):
+    """Writes `config` as `echo` would, in one write(); returns the errno, or
+    0. (Python's buffered files write again at close what a refused write
+    left in their buffer: a second proposal.)"""
+    fd = os.open(f"{mnt}/config", os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, (config + "\n").encode())
+        return 0
+    except OSError as e:
+        return e.errno
+    finally:
+        os.close(fd)
+
+
+def wait_all(mnts, config, timeout=60):
+    """Every host shows `config`, materialized; returns their statuses."""
+    deadline = time.time() + timeout
+    while True:
+        got = {h: status(m) for h, m in mnts.items()}
+        if all(s["config"] == config and s["state"] == "ready" for s in got.values()):
+            return got
+        assert time.time() < deadline, (config, {h: (s["config"], s["state"], s["error"])
+                                                 for h, s in got.items()})
+        time.sleep(0.05)
+
+
+def cluster_status(mnt):
+    return json.loads(run("cluster", "status", mnt, "--json").stdout)
+
+
+def wait_live(mnt, want, timeout=30):
+    """`scalai cluster status` on `mnt` shows exactly the hosts `want` live."""
+    deadline = time.time() + timeout
+    while True:
+        live = {h["name"] for h in cluster_status(mnt)["hosts"] if h["live"]}
+        if live == set(want):
+            return
+        assert time.time() < deadline, (live, want)
+        time.sleep(0.2)
+
+
+def main():
+    require_fuse()
+    require_netns()
+    seed = test_seed()
+    r = random.Random(seed)
+    full = random_gpt(np.random.default_rng(seed), LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB,
+                      gated=True)
+    with tempfile.TemporaryDirectory() as tmp, Mounts() as mounts:
+        net = Network(MEMBERS + HOSTS)
+        mnts = {h: f"{tmp}/{h}/mnt" for h in HOSTS}
+        try:
+            etcd = Etcd(net, MEMBERS, tmp)
+            etcd.wait_healthy("h0")
+            with open(f"{tmp}/token", "w") as f:
+                f.write("cluster-test-token-%d\n" % seed)
+            cluster = f"{tmp}/cluster.json"
+            with open(cluster, "w") as f:
+                json.dump({"job": "gpt", "etcd": etcd.endpoints, "token_file": "token",
+                           "hosts": [{"name": h, "address": f"{net.address[h]}:7070"}
+                                     for h in HOSTS]}, f)
+            src = f"{tmp}/src"
+            for rank, shard in rank_shards(full, START, True, DIVISOR, LAYERS).items():
+                os.makedirs(f"{src}/rank-{rank:05d}")
+                write_safetensors(f"{src}/rank-{rank:05d}/model.safetensors", shard)
+
+            def mount(h):
+                p = net.run(h, BIN, "mount", f"{tmp}/{h}/store", mnts[h], "--cluster", cluster,
+                            "--host", h, capture_output=True, text=True)
+                assert p.returncode == 0, (h, p.stderr)
+                mounts.add(mnts[h])
+
+            for h in HOSTS:
+                os.makedirs(f"{tmp}/{h}")
+                run("init", f"{tmp}/{h}/store", *LAYOUT)
+                run("import", f"{tmp}/{h}/store", src, "--config", START, "--step", "7")
+                os.makedirs(mnts[h])
+                mount(h)
+            wait_all(mnts, START)
+            for m in mnts.values():
+                wait_live(m, HOSTS)
+            text = run("cluster", "status", mnts["h2"]).stdout
+            print(text)
+            assert "seen from h2" in text and text.count(" yes ") == 4, text
+
+            config = walk(r, mnts, full)
+            config = refused(mnts, config)
+            for _ in range(4):
+                config = racing(r, mnts, config)
+            config = leader_killed(r, net, etcd, mnts, full, config)
+            config = host_leaves(r, mnts, mount, mounts, full, config)
+
+            for h in HOSTS:
+                run("umount", mnts[h])
+                mounts.discard(mnts[h])
+            for h in HOSTS:
+                run("fsck", f"{tmp}/{h}/store")
+                inspect = json.loads(run("inspect", f"{tmp}/{h}/store", "--json").stdout)
+                assert inspect["config"] == config, (h, inspect["config"], config)
+        finally:
+            for h in HOSTS:
+                net.run(h, "umount", "-l", mnts[h], capture_output=True)
+            net.close()
+    print("cluster test: ok")
+
+
+def walk(r, mnts, full):
+    """Each config written to a random host becomes every host's."""
+    config = START
+    for i in range(STEPS):
+        new = next_config(r, config)
+        writer = r.choice(HOSTS)
+        assert write_config(mnts[writer], new) == 0, (writer, status(mnts[writer]))
+        wait_all(mnts, new)
+        config = new
+        # Every host's views, every few steps; one random host's otherwise.
+        for h in (HOSTS if i % 4 == 0 else [r.choice(HOSTS)]):
+            check_bytes(mnts[h], full, config, LAYERS, DIVISOR)
+        generations = {cluster_status(m)["generation"] for m in mnts.values()}
+        assert len(generations) == 1, generations
+        print(f"walk {i}: {new} written on {writer}, every host switched")
+    return config
+
+
+def refused(mnts, config):
+    """A config the stores cannot serve (tp=4 does not divide 6 heads) is
+    refused on the host it was written to, and no host changes."""
+    before = cluster_status(mnts["h0"])["generation"]
+    got = write_config(mnts["h2"], "tp=4,pp=1,dp=1")
+    assert got == errno.EINVAL, (got, status(mnts["h2"]))
+    assert "cannot be split across tp=4" in status(mnts["h2"])["error"], status(mnts["h2"])
+    time.sleep(1)
+    for h, m in mnts.items():
+        assert status(m)["config"] == config, h
+        assert cluster_status(m)["generation"] == before, h
+    print("refused config: no host changed")
+    return config
+
+
+def racing(r, mnts, config):
+    """Two hosts write different configs at once: the cluster ends on one of
+    them everywhere, and a refused writer was told why."""
+    a, b = next_config(r, config), None
+    while b is None or b == a:
+        b = next_config(r, config)
+    results = {}
+
+    said = {}
+
+    def write(h, c):
+        results[h] = write_config(mnts[h], c)
+        if results[h]:
+            said[h] = status(mnts[h])["error"]
+    threads = [threading.Thread(target=write, args=("h0", a)),
+               threading.Thread(target=write, args=("h3", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 0 in results.values(), results
+    errors = said
+    # Whichever committed last is the cluster's config.
+    deadline = time.time() + 60
+    while True:
+        configs = {status(m)["config"] for m in mnts.values()}
+        if len(configs) == 1 and configs <= {a, b}:
+            break
+        assert time.time() < deadline, configs
+        time.sleep(0.05)
+    final = configs.pop()
+    wait_all(mnts, final)
+    if results["h0"] != results["h3"]:  # one was refused: the other's stands
+        assert final == (a if results["h0"] == 0 else b), (final, a, b, results, errors)
+    print(f"racing writes {a} (h0: {results['h0']}) and {b} (h3: {results['h3']}): "
+          f"all on {final}; refused: {errors}")
+    return final
+
+
+def leader_killed(r, net, etcd, mnts, full, config):
+    """With etcd's leader gone, two members still agree: a config written
+    then reaches every host."""
+    leader = etcd.leader("h0")
+    etcd.kill(leader)
+    new = next_config(r, config)
+    deadline = time.time() + 60
+    while write_config(mnts["h1"], new) != 0:  # refused while etcd elects
+        assert time.time() < deadline, status(mnts["h1"])
+        time.sleep(0.5)
+    wait_all(mnts, new)
+    check_bytes(mnts["h3"], full, new, LAYERS, DIVISOR)
+    print(f"etcd leader {leader} killed: {new} still reached every host")
+    return new
+
+
+def host_leaves(r, mnts, mount, mounts, full, config):
+    """A host unmounted is not live for the others; the configs it missed
+    are its own once it is mounted again."""
+    run("umount", mnts["h3"])
+    mounts.discard(mnts["h3"])
+    wait_live(mnts["h0"], ["h0", "h1", "h2"])
+    others = {h: m for h, m in mnts.items() if h != "h3"}
+    for _ in range(2):
+        new = next_config(r, config)
+        assert write_config(mnts["h0"], new) == 0
+        wait_all(others, new)
+        config = new
+    mount("h3")
+    wait_all(mnts, config)
+    check_bytes(mnts["h3"], full, config, LAYERS, DIVISOR)
+    wait_live(mnts["h0"], HOSTS)
+    print(f"h3 left and came back: it caught up to {config}")
+    return config
+
+
+if __name__ == "__main__":
+    main()

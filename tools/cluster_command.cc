@@ -1,0 +1,89 @@
+// `scalai cluster status MOUNTPOINT`: every host of the cluster a mount
+// belongs to, as that mount last read them from etcd.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+#include "ptc/status_macros.h"
+#include "tools/command.h"
+#include "tools/human_bytes.h"
+
+namespace scalai {
+namespace {
+
+std::string Text(const nlohmann::json& j, const char* key) {
+  if (!j.contains(key) || j[key].is_null()) return "-";
+  return j[key].is_string() ? j[key].get<std::string>() : j[key].dump();
+}
+
+absl::Status RunClusterStatus(const std::string& mountpoint, bool json) {
+  std::ifstream in(mountpoint + "/status");
+  if (!in) {
+    return absl::NotFoundError(
+        absl::StrCat(mountpoint, " is not a scalai mount"));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json status = nlohmann::json::parse(text.str(), nullptr, false);
+  if (status.is_discarded() || !status.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(mountpoint, "/status is not a scalai status"));
+  }
+  if (!status.contains("cluster")) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        mountpoint, " is a single-host mount (mounted without --cluster)"));
+  }
+  const nlohmann::json& c = status["cluster"];
+  if (json) {
+    std::printf("%s\n", c.dump(2).c_str());
+    return absl::OkStatus();
+  }
+  std::printf("job %s, seen from %s, cluster generation %s\n",
+              Text(c, "job").c_str(), Text(c, "host").c_str(),
+              Text(c, "generation").c_str());
+  if (!c["etcd_error"].is_null()) {
+    std::printf("etcd: %s\n", Text(c, "etcd_error").c_str());
+  }
+  std::printf("%-12s %-22s %-5s %-10s %-24s %-13s %12s  %s\n", "HOST",
+              "ADDRESS", "LIVE", "GENERATION", "CONFIG", "STATE", "MOVED",
+              "ERROR");
+  for (const nlohmann::json& h : c["hosts"]) {
+    const int64_t moved = h.value("bytes_moved", int64_t{0});
+    std::printf("%-12s %-22s %-5s %-10s %-24s %-13s %12s  %s\n",
+                Text(h, "name").c_str(), Text(h, "address").c_str(),
+                h.value("live", false) ? "yes" : "no",
+                Text(h, "generation").c_str(), Text(h, "config").c_str(),
+                Text(h, "state").c_str(), HumanBytes(moved).c_str(),
+                Text(h, "error").c_str());
+  }
+  std::printf("peer calls refused: %s, failed: %s\n",
+              Text(c, "peer_calls_refused").c_str(),
+              Text(c, "peer_calls_failed").c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+Command AddClusterCommand(CLI::App& root) {
+  struct Options {
+    std::string mountpoint;
+    bool json = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* app =
+      root.add_subcommand("cluster", "The hosts of a job that spans hosts");
+  app->require_subcommand(1);
+  CLI::App* status = app->add_subcommand(
+      "status", "One line per host: live, generation, config, state");
+  status->add_option("MOUNTPOINT", o->mountpoint, "a host's scalai mount")
+      ->required();
+  status->add_flag("--json", o->json, "the same as JSON, for scripts");
+  return {app, [o] { return RunClusterStatus(o->mountpoint, o->json); }};
+}
+
+}  // namespace scalai

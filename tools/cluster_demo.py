@@ -1,0 +1,103 @@
+#!/usr/bin/python3
+"""A job across four hosts on this machine, for the README's walkthrough:
+each host in its own network namespace with its own store, a three-member
+etcd cluster in namespaces of its own; then a config written on one host, a
+host lost, a config written while it is away, and the host back. Needs root
+(namespaces, FUSE). Everything it makes is removed at the end.
+
+    sudo /usr/bin/python3 tools/cluster_demo.py build/tools/scalai"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from netns import Etcd, Network  # noqa
+
+BIN = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build/tools/scalai")
+HOSTS = ["h0", "h1", "h2", "h3"]
+MODEL = "layers=4,hidden=256,heads=8,groups=8,vocab=1000"
+
+
+def show(cmd, net=None, host=None, cwd=None):
+    """Runs `cmd` (a shell line) as the walkthrough shows it, on `host`."""
+    print(f"{host or 'admin'}$ {cmd}")
+    args = ["bash", "-c", cmd]
+    p = (net.run(host, *args, capture_output=True, text=True, cwd=cwd) if host
+         else subprocess.run(args, capture_output=True, text=True, cwd=cwd))
+    out = (p.stdout + p.stderr).rstrip()
+    if out:
+        print(out)
+    if p.returncode != 0:
+        raise SystemExit(f"failed: {cmd}")
+
+
+def settle(mnt, config, live):
+    """Waits until `mnt` sees exactly the hosts `live` live, each of them
+    having recorded `config` materialized."""
+    for _ in range(600):
+        with open(f"{mnt}/status") as f:
+            hosts = json.load(f)["cluster"]["hosts"]
+        up = {h["name"] for h in hosts if h["live"]}
+        if up == set(live) and all(h.get("config") == config and h.get("state") == "ready"
+                                   for h in hosts if h["live"]):
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"{mnt} did not settle on {config} with {live} live")
+
+
+def main():
+    os.environ["PATH"] = f"{os.path.dirname(BIN)}:{os.environ['PATH']}"
+    with tempfile.TemporaryDirectory() as tmp:
+        net = Network(["e0", "e1", "e2"] + HOSTS)
+        try:
+            etcd = Etcd(net, ["e0", "e1", "e2"], tmp)
+            etcd.wait_healthy("h0")
+            with open(f"{tmp}/token", "w") as f:
+                f.write(os.urandom(24).hex() + "\n")
+            with open(f"{tmp}/cluster.json", "w") as f:
+                json.dump({"job": "gpt", "etcd": etcd.endpoints, "token_file": "token",
+                           "hosts": [{"name": h, "address": f"{net.address[h]}:7070"}
+                                     for h in HOSTS]}, f, indent=1)
+            show("cat cluster.json", cwd=tmp)
+            subprocess.run([BIN, "synth", f"{tmp}/ckpt", "--layout", "megatron-core-gpt",
+                            "--config", "tp=2,pp=1,dp=1", "--model", MODEL], check=True,
+                           capture_output=True)
+            for h in HOSTS:
+                for args in (["init", f"{tmp}/store-{h}", "--layout", "megatron-core-gpt",
+                              "--param", "vocab_size=1000"],
+                             ["import", f"{tmp}/store-{h}", f"{tmp}/ckpt",
+                              "--config", "tp=2,pp=1,dp=1", "--step", "100"]):
+                    subprocess.run([BIN, *args], check=True, capture_output=True)
+                os.makedirs(f"{tmp}/mnt-{h}")
+            print("# every host imported the same checkpoint into its own store")
+            for h in HOSTS:
+                show(f"scalai mount store-{h} mnt-{h} --cluster cluster.json --host {h}",
+                     net, h, cwd=tmp)
+            settle(f"{tmp}/mnt-h0", "tp=2,pp=1,dp=1", HOSTS)
+            show("scalai cluster status mnt-h0", cwd=tmp)
+            show("echo tp=4,pp=2,dp=1 > mnt-h2/config", net, "h2", cwd=tmp)
+            settle(f"{tmp}/mnt-h0", "tp=4,pp=2,dp=1", HOSTS)
+            show("cat mnt-h0/config; ls mnt-h3/ckpt/latest", net, "h0", cwd=tmp)
+            show("scalai umount mnt-h3   # h3 is lost", net, "h3", cwd=tmp)
+            settle(f"{tmp}/mnt-h0", "tp=4,pp=2,dp=1", HOSTS[:3])
+            show("scalai reconfigure mnt-h1 tp=2,pp=2,dp=2 --wait", net, "h1", cwd=tmp)
+            settle(f"{tmp}/mnt-h0", "tp=2,pp=2,dp=2", HOSTS[:3])
+            show("scalai cluster status mnt-h0", cwd=tmp)
+            show("scalai mount store-h3 mnt-h3 --cluster cluster.json --host h3   # back",
+                 net, "h3", cwd=tmp)
+            settle(f"{tmp}/mnt-h0", "tp=2,pp=2,dp=2", HOSTS)
+            show("cat mnt-h3/config", cwd=tmp)
+            show("scalai cluster status mnt-h3", cwd=tmp)
+            for h in HOSTS:
+                subprocess.run([BIN, "umount", f"{tmp}/mnt-{h}"], capture_output=True)
+        finally:
+            for h in HOSTS:
+                subprocess.run(["umount", "-l", f"{tmp}/mnt-{h}"], capture_output=True)
+            net.close()
+
+
+if __name__ == "__main__":
+    main()
