@@ -95,9 +95,20 @@ absl::Status ClusterMember::Start() {
   job_.SetAgreement(
       [this](const ParallelConfig& config) { return Propose(config); });
   job_.SetStatusSection("cluster", [this] { return StatusSection(); });
+  PeerClient::Options calls;
+  calls.host = host_;
+  calls.token = cluster_.token;
+  calls.tls = cluster_.tls;
+  calls.deadline = kPeerCheck;
+  for (const ClusterHost& h : cluster_.hosts) {
+    if (h.name != host_) {
+      peers_by_name_[h.name].client = std::make_unique<PeerClient>(h, calls);
+    }
+  }
   RecordProgress();
   ReadCluster();
   beat_ = std::thread([this] { Beat(); });
+  check_ = std::thread([this] { CheckPeers(); });
   return absl::OkStatus();
 }
 
@@ -110,6 +121,7 @@ ClusterMember::~ClusterMember() {
   }
   wake_.notify_all();
   if (beat_.joinable()) beat_.join();
+  if (check_.joinable()) check_.join();
   std::unique_ptr<EtcdClient::Watch> watch;
   int64_t lease = 0;
   {
@@ -249,6 +261,32 @@ void ClusterMember::Beat() {
   }
 }
 
+void ClusterMember::CheckPeers() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait_for(lock, absl::ToChronoMilliseconds(kPeerCheck),
+                     [this] { return stopping_.load(); });
+      if (stopping_) return;
+    }
+    for (auto& [name, peer] : peers_by_name_) {
+      if (stopping_) return;
+      absl::StatusOr<PeerClient::Hello> hello = peer.client->SayHello();
+      std::string error;
+      if (!hello.ok()) {
+        error = std::string(hello.status().message());
+      } else if (hello->job != cluster_.job || hello->host != name) {
+        // Someone else listens at that address: not trusted as the peer.
+        error = absl::StrCat("dialed ", name, " of job ", cluster_.job, " but ",
+                             hello->host, " of job ", hello->job, " answered");
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      peer.answered = error.empty();
+      peer.error = std::move(error);
+    }
+  }
+}
+
 void ClusterMember::RecordProgress() {
   nlohmann::json status =
       nlohmann::json::parse(job_.StatusText(), nullptr, false);
@@ -320,6 +358,16 @@ nlohmann::json ClusterMember::StatusSection() {
                       {"peer_calls_failed", counters.failed},
                       {"bytes_served", served}};
   if (!etcd_error_.empty()) j["etcd_error"] = etcd_error_;
+  // Each other host as this one last reached it.
+  nlohmann::json peers = nlohmann::json::object();
+  for (const auto& [name, peer] : peers_by_name_) {
+    peers[name] = {{"reachable", peer.answered},
+                   {"error", nullptr},
+                   {"calls_failed", peer.client->errors()},
+                   {"bytes_fetched", peer.client->bytes_fetched()}};
+    if (!peer.error.empty()) peers[name]["error"] = peer.error;
+  }
+  j["peers"] = std::move(peers);
   return j;
 }
 

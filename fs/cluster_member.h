@@ -16,6 +16,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,6 +27,7 @@
 #include "nlohmann/json.hpp"
 #include "transfer/cluster_file.h"
 #include "transfer/etcd_client.h"
+#include "transfer/peer_client.h"
 #include "transfer/peer_server.h"
 
 namespace scalai {
@@ -37,6 +39,9 @@ class ClusterMember {
   // How often the lease is renewed, progress recorded and the other
   // hosts' state read.
   static constexpr absl::Duration kBeat = absl::Milliseconds(500);
+  // How often every peer is called, and how long each call may take: a
+  // peer that does not answer in time is shown unreachable.
+  static constexpr absl::Duration kPeerCheck = absl::Seconds(1);
 
   // Joins the job as host `host`: the cluster's config, when there is one,
   // becomes this host's (refused, naming why, if its store cannot serve
@@ -65,6 +70,9 @@ class ClusterMember {
   void Beat();
   void RecordProgress();
   void ReadCluster();
+  // Calls every other host (Hello) on its own thread, so that a silent peer
+  // never delays the lease.
+  void CheckPeers();
   nlohmann::json StatusSection();
   std::string Key(const std::string& what) const {
     return Key(cluster_.job, what);
@@ -85,11 +93,21 @@ class ClusterMember {
   std::string etcd_error_;        // the last failure to reach etcd
   std::string progress_written_;  // the last progress value put
   std::unique_ptr<EtcdClient::Watch> watch_;
+  // The other hosts: a client each (used by the check thread and, later,
+  // the data plane; thread-safe) and what the last check found.
+  struct Peer {
+    std::unique_ptr<PeerClient> client;
+    bool answered = false;
+    // Of the last check; empty when it answered.
+    std::string error = "not called yet";
+  };
+  std::map<std::string, Peer> peers_by_name_;
 
   std::mutex propose_mu_;  // one proposal at a time from this host
   std::atomic<bool> stopping_{false};
   std::condition_variable wake_;  // with mu_: ends a beat's wait early
   std::thread beat_;
+  std::thread check_;
 };
 
 }  // namespace scalai

@@ -133,8 +133,10 @@ absl::Status Job::Change(const ParallelConfig& config, bool agree) {
   bool switched = false;
   absl::Status result = [&]() -> absl::Status {
     Agreement agreement;
+    std::shared_ptr<const Tree> base;  // the tree `next` was built beside
+    std::unique_ptr<Tree> next;
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       if (config == current_->config()) {
         // The same config again retries a failed materialization (space
         // freed, a blob restored); otherwise it changes nothing.
@@ -142,10 +144,11 @@ absl::Status Job::Change(const ParallelConfig& config, bool agree) {
         return absl::OkStatus();
       }
       RETURN_IF_ERROR(CheckGenerationLocked());
-      // Validated before anyone else is asked: a config this store cannot
-      // serve is refused here, and agreed nowhere.
-      RETURN_IF_ERROR(
-          Tree::Build(store_, config, current_->generation() + 1).status());
+      // Built before anyone else is asked: a config this store cannot serve
+      // is refused here, and agreed nowhere.
+      ASSIGN_OR_RETURN(next,
+                       Tree::Build(store_, config, current_->generation() + 1));
+      base = current_;
       if (agree) agreement = agreement_;
     }
     // The agreement may take a network round trip: the lock is not held,
@@ -153,9 +156,13 @@ absl::Status Job::Change(const ParallelConfig& config, bool agree) {
     if (agreement) RETURN_IF_ERROR(agreement(config));
     std::lock_guard<std::mutex> lock(mu_);
     if (config == current_->config()) return absl::OkStatus();  // applied
-    RETURN_IF_ERROR(CheckGenerationLocked());
-    ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
-                     Tree::Build(store_, config, current_->generation() + 1));
+    if (current_ != base) {
+      // Meanwhile the catalog changed (a step published, a materialization
+      // committed): the tree is built again from the records as they are.
+      RETURN_IF_ERROR(CheckGenerationLocked());
+      ASSIGN_OR_RETURN(next,
+                       Tree::Build(store_, config, current_->generation() + 1));
+    }
     RETURN_IF_ERROR(store_.SetCurrentConfig(config));
     retired = SwitchLocked(std::shared_ptr<const Tree>(std::move(next)));
     StartMaterializationLocked();

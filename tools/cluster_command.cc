@@ -61,7 +61,17 @@ absl::Status RunClusterStatus(const std::string& mountpoint, bool json) {
                 Text(h, "state").c_str(), HumanBytes(moved).c_str(),
                 Text(h, "error").c_str());
   }
-  std::printf("peer calls refused: %s, failed: %s\n",
+  if (c.contains("peers") && c["peers"].is_object()) {
+    std::printf("peers of %s:", Text(c, "host").c_str());
+    for (const auto& [name, p] : c["peers"].items()) {
+      std::printf(" %s %s", name.c_str(),
+                  p.value("reachable", false) ? "reachable" : "UNREACHABLE");
+      if (!p["error"].is_null()) std::printf(" (%s)", Text(p, "error").c_str());
+      std::printf(";");
+    }
+    std::printf("\n");
+  }
+  std::printf("calls from peers refused (no token): %s, failed: %s\n",
               Text(c, "peer_calls_refused").c_str(),
               Text(c, "peer_calls_failed").c_str());
   return absl::OkStatus();

@@ -7,7 +7,10 @@ every rank's bytes equal to numpy slicing of the full tensors on every host.
 A config one host refuses changes nothing anywhere; two hosts writing at
 once end on one config everywhere; the etcd leader killed, the cluster still
 reconfigures; a host that leaves is shown not live and, mounted again,
-catches up with the configs it missed. Each store passes fsck at the end.
+catches up with the configs it missed; a host cut off by its cable is shown
+unreachable and not live, and catches up once it is back; a host with a
+forged token reaches no peer and is served nothing. Each store passes fsck
+at the end.
 Exits 77 only where /dev/fuse is missing or namespaces cannot be made."""
 import errno
 import json
@@ -92,6 +95,19 @@ def wait_live(mnt, want, timeout=30):
         time.sleep(0.2)
 
 
+def wait_peers(mnt, reachable, error="", timeout=30):
+    """`mnt`'s host reaches exactly the peers in `reachable`, and the others'
+    errors contain `error`; returns them."""
+    deadline = time.time() + timeout
+    while True:
+        peers = cluster_status(mnt)["peers"]
+        if ({h for h, p in peers.items() if p["reachable"]} == set(reachable) and
+                all(error in p["error"] for p in peers.values() if not p["reachable"])):
+            return peers
+        assert time.time() < deadline, (mnt, peers)
+        time.sleep(0.2)
+
+
 def main():
     require_fuse()
     require_netns()
@@ -130,8 +146,9 @@ def main():
                 os.makedirs(mnts[h])
                 mount(h)
             wait_all(mnts, START)
-            for m in mnts.values():
+            for h, m in mnts.items():
                 wait_live(m, HOSTS)
+                wait_peers(m, set(HOSTS) - {h})
             text = run("cluster", "status", mnts["h2"]).stdout
             print(text)
             assert "seen from h2" in text and text.count(" yes ") == 4, text
@@ -141,6 +158,8 @@ def main():
             for _ in range(4):
                 config = racing(r, mnts, config)
             config = leader_killed(r, net, etcd, mnts, full, config)
+            config = partitioned(r, net, mnts, full, config)
+            intruder(net, mnts, mounts, tmp)
             config = host_leaves(r, mnts, mount, mounts, full, config)
 
             for h in HOSTS:
@@ -245,11 +264,69 @@ def leader_killed(r, net, etcd, mnts, full, config):
     return new
 
 
-def host_leaves(r, mnts, mount, mounts, full, config):
-    """A host unmounted is not live for the others; the configs it missed
-    are its own once it is mounted again."""
+def partitioned(r, net, mnts, full, config):
+    """h2's cable cut: the others see it unreachable and, once its lease
+    runs out, not live; h2 says it cannot reach etcd; a config written
+    meanwhile reaches the others, and h2 once the cable is back."""
+    net.link("h2", False)
+    try:
+        wait_peers(mnts["h0"], ["h1", "h3"], error="h2")
+        wait_live(mnts["h0"], ["h0", "h1", "h3"])
+        deadline = time.time() + 30
+        while not status(mnts["h2"])["cluster"]["etcd_error"]:
+            assert time.time() < deadline, status(mnts["h2"])
+            time.sleep(0.2)
+        new = next_config(r, config)
+        assert write_config(mnts["h0"], new) == 0
+        wait_all({h: m for h, m in mnts.items() if h != "h2"}, new)
+        assert status(mnts["h2"])["config"] == config
+    finally:
+        net.link("h2", True)
+    wait_all(mnts, new)
+    check_bytes(mnts["h2"], full, new, LAYERS, DIVISOR)
+    wait_live(mnts["h0"], HOSTS)
+    wait_peers(mnts["h0"], ["h1", "h2", "h3"])
+    assert status(mnts["h2"])["cluster"]["etcd_error"] is None
+    print(f"h2 cut off and back: it caught up to {new}")
+    return new
+
+
+def intruder(net, mnts, mounts, tmp):
+    """h3 mounted again with another token: it reaches no peer, no peer
+    reaches it, every call it made is refused and counted, and nothing is
+    served to it."""
     run("umount", mnts["h3"])
     mounts.discard(mnts["h3"])
+    with open(f"{tmp}/cluster.json") as f:
+        forged = json.load(f)
+    with open(f"{tmp}/forged-token", "w") as f:
+        f.write("not-the-job-token-0123456789\n")
+    forged["token_file"] = "forged-token"
+    with open(f"{tmp}/forged.json", "w") as f:
+        json.dump(forged, f)
+    refused_before = cluster_status(mnts["h0"])["peer_calls_refused"]
+    p = net.run("h3", BIN, "mount", f"{tmp}/h3/store", mnts["h3"], "--cluster",
+                f"{tmp}/forged.json", "--host", "h3", capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    mounts.add(mnts["h3"])
+    try:
+        wait_peers(mnts["h3"], [], error="lacks the job's token")
+        wait_peers(mnts["h0"], ["h1", "h2"], error="lacks the job's token")
+        deadline = time.time() + 30
+        while cluster_status(mnts["h0"])["peer_calls_refused"] <= refused_before:
+            assert time.time() < deadline
+            time.sleep(0.2)
+        for h in ["h0", "h1", "h2"]:
+            assert "h3" not in cluster_status(mnts[h])["bytes_served"], h
+    finally:
+        run("umount", mnts["h3"])
+        mounts.discard(mnts["h3"])
+    print("a host with a forged token: refused by every peer, counted, served nothing")
+
+
+def host_leaves(r, mnts, mount, mounts, full, config):
+    """A host unmounted (intruder() left h3 so) is not live for the others;
+    the configs it missed are its own once it is mounted again."""
     wait_live(mnts["h0"], ["h0", "h1", "h2"])
     others = {h: m for h, m in mnts.items() if h != "h3"}
     for _ in range(2):
