@@ -95,6 +95,15 @@ class StoreFixture : public ::testing::Test {
     return out;
   }
 
+  // Rank `rank`'s model.safetensors under `config`, as synth cuts it
+  // directly from the full tensors: the independent reference.
+  std::string DirectShardFile(const ParallelConfig& config, int rank) {
+    Placement direct = *Placement::Create(layout_, model_, config);
+    const std::string path = (dir_ / "want.safetensors").string();
+    EXPECT_TRUE(WriteSynthShard(direct, rank, 3, path).ok());
+    return ReadAll(path);
+  }
+
   fs::path dir_;
   Layout layout_;
   ModelSpec spec_;

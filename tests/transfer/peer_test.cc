@@ -46,9 +46,7 @@ class PeerTest : public StoreFixture {
   // The bytes of shard `shard` of `rank` under `config`, cut directly.
   std::string DirectCut(const ParallelConfig& config, int rank, int shard) {
     Placement direct = *Placement::Create(layout_, model_, config);
-    const std::string path = (dir_ / "want.safetensors").string();
-    EXPECT_TRUE(WriteSynthShard(direct, rank, 3, path).ok());
-    std::string file = ReadAll(path);
+    std::string file = DirectShardFile(config, rank);
     auto header =
         *SafetensorsHeader::Parse(file, static_cast<int64_t>(file.size()));
     const TensorShard& s = direct.shards(config.ShardGroup(rank))[shard];
