@@ -16,6 +16,8 @@ import errno
 import json
 import os
 import random
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -158,6 +160,7 @@ def main():
             for _ in range(4):
                 config = racing(r, mnts, config)
             config = leader_killed(r, net, etcd, mnts, full, config)
+            config = host_killed(r, net, mnts, mount, mounts, full, config, tmp)
             config = partitioned(r, net, mnts, full, config)
             intruder(net, mnts, mounts, tmp)
             config = host_leaves(r, mnts, mount, mounts, full, config)
@@ -249,10 +252,33 @@ def racing(r, mnts, config):
 
 
 def leader_killed(r, net, etcd, mnts, full, config):
-    """With etcd's leader gone, two members still agree: a config written
-    then reaches every host."""
+    """etcd's leader SIGKILLed while a config is being proposed: the cluster
+    ends on one config everywhere, the new one if the write succeeded (a
+    commit whose answer was lost with the leader may still land: then every
+    host has it too). Then, with two members left, a config written reaches
+    every host."""
     leader = etcd.leader("h0")
+    racing = next_config(r, config)
+    result = {}
+    writer = threading.Thread(target=lambda: result.update(
+        errno=write_config(mnts["h1"], racing)))
+    writer.start()
     etcd.kill(leader)
+    writer.join()
+    deadline = time.time() + 60
+    while True:
+        configs = {status(m)["config"] for m in mnts.values()}
+        if len(configs) == 1 and all(s["state"] == "ready" for s in map(status, mnts.values())):
+            break
+        assert time.time() < deadline, configs
+        time.sleep(0.1)
+    ended = configs.pop()
+    assert ended in (config, racing), (ended, config, racing)
+    if result["errno"] == 0:
+        assert ended == racing, (ended, racing)
+    print(f"leader {leader} killed while {racing} was proposed (write: {result['errno']}): "
+          f"every host on {ended}")
+    config = ended
     new = next_config(r, config)
     deadline = time.time() + 60
     while write_config(mnts["h1"], new) != 0:  # refused while etcd elects
@@ -261,6 +287,40 @@ def leader_killed(r, net, etcd, mnts, full, config):
     wait_all(mnts, new)
     check_bytes(mnts["h3"], full, new, LAYERS, DIVISOR)
     print(f"etcd leader {leader} killed: {new} still reached every host")
+    return new
+
+
+def server_pid(store):
+    """The pid of the mount process serving `store`."""
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"mount" in args and store.encode() in args:
+            return int(pid)
+    raise AssertionError(f"no server of {store}")
+
+
+def host_killed(r, net, mnts, mount, mounts, full, config, tmp):
+    """h1's mount SIGKILLed while the cluster switches: the others end on
+    the new config; h1, mounted again, catches up (its store is checked by
+    fsck at the end)."""
+    pid = server_pid(f"{tmp}/h1/store")
+    new = next_config(r, config)
+    assert write_config(mnts["h0"], new) == 0
+    os.kill(pid, signal.SIGKILL)
+    others = {h: m for h, m in mnts.items() if h != "h1"}
+    wait_all(others, new)
+    # The dead mount goes; the store's lock went with the process.
+    subprocess.run(["umount", "-l", mnts["h1"]], check=True)
+    mounts.discard(mnts["h1"])
+    wait_live(mnts["h0"], ["h0", "h2", "h3"])
+    mount("h1")
+    wait_all(mnts, new)
+    check_bytes(mnts["h1"], full, new, LAYERS, DIVISOR)
+    print(f"h1 killed during the switch to {new}: mounted again, it caught up")
     return new
 
 
