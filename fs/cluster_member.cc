@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "ptc/status_macros.h"
 
 namespace scalai {
@@ -65,6 +66,8 @@ absl::Status ClusterMember::Start() {
   create.conditions.push_back({Key("config"), 0});
   create.puts.push_back(
       {Key("config"), AgreedValue(job_.current()->config(), 1, host_)});
+  // What a host with an empty store needs before any peer can help it.
+  create.puts.push_back({Key("layout"), job_.store().layout().ToJson().dump()});
   RETURN_IF_ERROR(etcd_->Commit(create).status());
   ASSIGN_OR_RETURN(std::optional<EtcdClient::KeyValue> kv,
                    etcd_->Get(Key("config")));
@@ -82,6 +85,7 @@ absl::Status ClusterMember::Start() {
     std::lock_guard<std::mutex> lock(mu_);
     seen_revision_ = kv->mod_revision;
     generation_ = agreed.generation;
+    agreed_ = agreed.config;
   }
   PeerServer::Options peer;
   peer.job = cluster_.job;
@@ -89,6 +93,10 @@ absl::Status ClusterMember::Start() {
   peer.address = address_;
   peer.token = cluster_.token;
   peer.tls = cluster_.tls;
+  peer.read_file = [this](const std::string& path, int64_t offset,
+                          int64_t length, char* out) {
+    return ReadFile(path, offset, length, out);
+  };
   ASSIGN_OR_RETURN(peers_, PeerServer::Start(job_.store(), peer));
   RETURN_IF_ERROR(Register());
   RETURN_IF_ERROR(Watch(kv->mod_revision));
@@ -159,6 +167,31 @@ absl::Status ClusterMember::Watch(int64_t after) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> ClusterMember::ReadFile(const std::string& path,
+                                                int64_t offset, int64_t length,
+                                                char* out) {
+  std::shared_ptr<const Tree> tree = job_.current();
+  const Node* node = tree->Get(kRootIno);
+  for (absl::string_view part : absl::StrSplit(path, '/', absl::SkipEmpty())) {
+    if (part == "." || part == "..") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("path ", path, ": no . or .. in a peer's path"));
+    }
+    ASSIGN_OR_RETURN(const Node* next,
+                     tree->Lookup(node->ino, std::string(part)));
+    if (next == nullptr) {
+      return absl::NotFoundError(
+          absl::StrCat("no ", path, " in the mount of host ", host_));
+    }
+    node = next;
+  }
+  if (node->kind != NodeKind::kFile || node->live) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " is not a file a peer may read"));
+  }
+  return tree->Read(*node, offset, length, out);
+}
+
 void ClusterMember::Apply(const EtcdClient::KeyValue& kv) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -177,6 +210,7 @@ void ClusterMember::Apply(const EtcdClient::KeyValue& kv) {
     if (kv.mod_revision > seen_revision_) {
       seen_revision_ = kv.mod_revision;
       generation_ = agreed->generation;
+      agreed_ = agreed->config;
     }
   }
   wake_.notify_all();  // record the progress now
@@ -190,6 +224,19 @@ absl::Status ClusterMember::Propose(const ParallelConfig& config) {
     std::lock_guard<std::mutex> lock(mu_);
     revision = seen_revision_;
     generation = generation_;
+    // Every host named must be the cluster file's, and live: a host that is
+    // not would leave its ranks without one.
+    for (const std::string& name : config.hosts()) {
+      RETURN_IF_ERROR(cluster_.FindHost(name).status());
+      bool live = name == host_;
+      for (const nlohmann::json& h : hosts_) {
+        if (h.value("name", "") == name) live |= h.value("live", false);
+      }
+      if (!live) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "host ", name, " is not live: its ranks would have no host"));
+      }
+    }
   }
   EtcdClient::Txn txn;
   txn.conditions.push_back({Key("config"), revision});
@@ -217,6 +264,7 @@ absl::Status ClusterMember::Propose(const ParallelConfig& config) {
   std::lock_guard<std::mutex> lock(mu_);
   seen_revision_ = std::max(seen_revision_, committed->revision);
   generation_ = generation + 1;
+  agreed_ = config;
   return absl::OkStatus();
 }
 
@@ -349,11 +397,28 @@ nlohmann::json ClusterMember::StatusSection() {
   std::lock_guard<std::mutex> lock(mu_);
   nlohmann::json served = nlohmann::json::object();
   for (const auto& [host, bytes] : counters.bytes_served) served[host] = bytes;
+  // The ranks each host runs under the cluster's config: all of them on
+  // every host without hosts=, a block each with it.
+  nlohmann::json hosts = hosts_;
+  if (agreed_) {
+    const std::vector<std::string>& named = agreed_->hosts();
+    const int world = agreed_->world_size();
+    for (nlohmann::json& h : hosts) {
+      h["ranks"] = named.empty() ? nlohmann::json::array({0, world - 1})
+                                 : nlohmann::json(nullptr);
+      for (size_t i = 0; i < named.size(); ++i) {
+        if (named[i] != h.value("name", "")) continue;
+        const int per_host = world / static_cast<int>(named.size());
+        h["ranks"] = {static_cast<int>(i) * per_host,
+                      static_cast<int>(i + 1) * per_host - 1};
+      }
+    }
+  }
   nlohmann::json j = {{"job", cluster_.job},
                       {"host", host_},
                       {"generation", generation_},
                       {"etcd_error", nullptr},
-                      {"hosts", hosts_},
+                      {"hosts", hosts},
                       {"peer_calls_refused", counters.refused},
                       {"peer_calls_failed", counters.failed},
                       {"bytes_served", served}};

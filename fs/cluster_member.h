@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -63,6 +64,10 @@ class ClusterMember {
   // The job's agreement: one etcd transaction, conditional on the config
   // this host last saw, makes `config` the cluster's.
   absl::Status Propose(const ParallelConfig& config);
+  // A file of this host's mount under its current config, for a peer
+  // (PeerServer's ReadFile).
+  absl::StatusOr<int64_t> ReadFile(const std::string& path, int64_t offset,
+                                   int64_t length, char* out);
   // Applies an agreed config value from etcd, if newer than the one seen.
   void Apply(const EtcdClient::KeyValue& kv);
   absl::Status Watch(int64_t after);
@@ -88,6 +93,7 @@ class ClusterMember {
   std::mutex mu_;  // guards what follows; never held while calling the job
   int64_t seen_revision_ = 0;  // of the config key, as last seen
   int64_t generation_ = 0;     // the cluster's, counting config changes
+  std::optional<ParallelConfig> agreed_;  // the cluster's config, as seen
   int64_t lease_ = 0;
   nlohmann::json hosts_ = nlohmann::json::array();  // as last read
   std::string etcd_error_;        // the last failure to reach etcd

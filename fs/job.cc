@@ -143,6 +143,11 @@ absl::Status Job::Change(const ParallelConfig& config, bool agree) {
         if (materialization_failed_) StartMaterializationLocked();
         return absl::OkStatus();
       }
+      if (!config.hosts().empty() && agree && !agreement_) {
+        return absl::InvalidArgumentError(
+            "hosts= names the hosts of a job that spans hosts; this mount was "
+            "started without --cluster, so its one host runs every rank");
+      }
       RETURN_IF_ERROR(CheckGenerationLocked());
       // Built before anyone else is asked: a config this store cannot serve
       // is refused here, and agreed nowhere.

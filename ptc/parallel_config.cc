@@ -14,7 +14,7 @@ namespace scalai {
 namespace {
 
 constexpr absl::string_view kExpected =
-    "expected tp=N,pp=N,dp=N[,stages=A:B:...]";
+    "expected tp=N,pp=N,dp=N[,stages=A:B:...][,hosts=H1+H2+...]";
 
 absl::Status ConfigError(absl::string_view text, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(
@@ -53,6 +53,7 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
   constexpr absl::string_view kNames[3] = {"tp", "pp", "dp"};
   std::vector<int64_t> stages;
   bool have_stages = false;
+  std::optional<std::vector<std::string>> hosts;
   for (absl::string_view item : absl::StrSplit(text, ',')) {
     std::pair<absl::string_view, absl::string_view> kv =
         absl::StrSplit(item, absl::MaxSplits('=', 1));
@@ -68,6 +69,11 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
         ASSIGN_OR_RETURN(int64_t n, ParsePositive(text, "stages", layers));
         stages.push_back(n);
       }
+      continue;
+    }
+    if (key == "hosts") {
+      if (hosts) return ConfigError(text, "hosts given twice");
+      hosts = std::vector<std::string>(absl::StrSplit(value, '+'));
       continue;
     }
     int index = -1;
@@ -91,8 +97,50 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
   auto config =
       Create(static_cast<int>(degrees[0]), static_cast<int>(degrees[1]),
              static_cast<int>(degrees[2]), std::move(stages));
+  if (config.ok() && hosts) config = config->WithHosts(std::move(*hosts));
   if (!config.ok()) return ConfigError(text, config.status().message());
   return config;
+}
+
+bool IsHostName(absl::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' &&
+        c != '-') {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::StatusOr<ParallelConfig> ParallelConfig::WithHosts(
+    std::vector<std::string> hosts) const {
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    if (!IsHostName(hosts[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("host name \"", Excerpt(hosts[i]),
+                       "\": use 1 to 64 letters, digits, '_' or '-'"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (hosts[j] == hosts[i]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("host ", hosts[i], " is listed twice"));
+      }
+    }
+  }
+  if (!hosts.empty() && world_size() % static_cast<int>(hosts.size()) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world size ", world_size(), " cannot be split over ",
+                     hosts.size(), " hosts: each host runs as many ranks"));
+  }
+  ParallelConfig config = *this;
+  config.hosts_ = std::move(hosts);
+  return config;
+}
+
+int ParallelConfig::HostOfRank(int rank) const {
+  if (hosts_.empty()) return 0;
+  return rank / (world_size() / static_cast<int>(hosts_.size()));
 }
 
 absl::StatusOr<ParallelConfig> ParallelConfig::Create(
@@ -165,6 +213,8 @@ std::string ParallelConfig::ToString() const {
   std::string out = absl::StrCat("tp=", tp_, ",pp=", pp_, ",dp=", dp_);
   if (!stages_.empty())
     absl::StrAppend(&out, ",stages=", absl::StrJoin(stages_, ":"));
+  if (!hosts_.empty())
+    absl::StrAppend(&out, ",hosts=", absl::StrJoin(hosts_, "+"));
   return out;
 }
 

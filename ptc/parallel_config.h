@@ -1,6 +1,8 @@
 // A ParallelConfig is a job's tensor/pipeline/data parallel degrees, with an
-// optional explicit split of layers over pipeline stages. Ranks are numbered in
-// Megatron order: tp varies fastest, then dp, then pp.
+// optional explicit split of layers over pipeline stages and, for a job that
+// spans hosts, the hosts that run it. Ranks are numbered in Megatron order:
+// tp varies fastest, then dp, then pp; host i of H runs the contiguous block
+// of ranks [i*W/H, (i+1)*W/H), as launchers number them.
 //
 //   ASSIGN_OR_RETURN(auto c, ParallelConfig::Parse("tp=2,pp=2,dp=4"));
 //   RankCoords rc = c.Coords(5);  // tp_rank 1, dp_rank 2, pp_rank 0
@@ -34,9 +36,9 @@ class ParallelConfig {
   // allocated for it.
   static constexpr int64_t kMaxWorldSize = int64_t{1} << 16;
 
-  // Parses "tp=2,pp=4,dp=8" or "tp=2,pp=4,dp=8,stages=6:6:6:6". Keys may come
-  // in any order; tp, pp and dp are required. Surrounding whitespace (the
-  // newline of `echo`) is ignored.
+  // Parses "tp=2,pp=4,dp=8", optionally with ",stages=6:6:6:6" and
+  // ",hosts=h0+h1". Keys may come in any order; tp, pp and dp are required.
+  // Surrounding whitespace (the newline of `echo`) is ignored.
   static absl::StatusOr<ParallelConfig> Parse(absl::string_view text);
 
   // Builds and validates a config from degrees; `stages` may be empty.
@@ -49,6 +51,14 @@ class ParallelConfig {
   int world_size() const { return tp_ * pp_ * dp_; }
   // Explicit layers per stage, or empty for the default split.
   const std::vector<int64_t>& stages() const { return stages_; }
+  // The hosts that run the job, in order, or empty: every rank on one host.
+  const std::vector<std::string>& hosts() const { return hosts_; }
+  // The same config run by `hosts`: each a host name (IsHostName), listed
+  // once, their number dividing the world size.
+  absl::StatusOr<ParallelConfig> WithHosts(
+      std::vector<std::string> hosts) const;
+  // The index in hosts() of the host that runs `rank` (0 without hosts).
+  int HostOfRank(int rank) const;
 
   RankCoords Coords(int rank) const;
   int Rank(const RankCoords& coords) const;
@@ -63,7 +73,7 @@ class ParallelConfig {
   // as possible with earlier stages taking the remainder.
   absl::StatusOr<std::vector<int64_t>> LayersPerStage(int64_t num_layers) const;
 
-  // "tp=2,pp=4,dp=8" (with ",stages=..." when explicit).
+  // "tp=2,pp=4,dp=8" (with ",stages=..." and ",hosts=..." when given).
   std::string ToString() const;
 
   friend bool operator==(const ParallelConfig&,
@@ -74,7 +84,12 @@ class ParallelConfig {
   int pp_ = 1;
   int dp_ = 1;
   std::vector<int64_t> stages_;
+  std::vector<std::string> hosts_;
 };
+
+// Whether `name` may name a host (or a job): 1 to 64 letters, digits, '_' or
+// '-', so that hosts join with '+' and configs with ','.
+bool IsHostName(absl::string_view name);
 
 // Whose saved extra/ files (docs/reference.md) rank `rank` of `now` sees, of a
 // step saved under `saved` by the ranks in `saved_ranks`: the saved rank

@@ -21,8 +21,9 @@ HOSTS = ["h0", "h1", "h2", "h3"]
 MODEL = "layers=4,hidden=256,heads=8,groups=8,vocab=1000"
 
 
-def show(cmd, net=None, host=None, cwd=None):
-    """Runs `cmd` (a shell line) as the walkthrough shows it, on `host`."""
+def show(cmd, net=None, host=None, cwd=None, fails=False):
+    """Runs `cmd` (a shell line) as the walkthrough shows it, on `host`;
+    it must succeed, or fail when `fails`."""
     print(f"{host or 'admin'}$ {cmd}")
     args = ["bash", "-c", cmd]
     p = (net.run(host, *args, capture_output=True, text=True, cwd=cwd) if host
@@ -30,22 +31,28 @@ def show(cmd, net=None, host=None, cwd=None):
     out = (p.stdout + p.stderr).rstrip()
     if out:
         print(out)
-    if p.returncode != 0:
-        raise SystemExit(f"failed: {cmd}")
+    if (p.returncode != 0) != fails:
+        raise SystemExit(f"{'succeeded' if fails else 'failed'}: {cmd}")
 
 
-def settle(mnt, config, live):
-    """Waits until `mnt` sees exactly the hosts `live` live, each of them
-    having recorded `config` materialized."""
+def settled(mnt, config, live):
+    with open(f"{mnt}/status") as f:
+        c = json.load(f)["cluster"]
+    up = {h["name"] for h in c["hosts"] if h["live"]}
+    reached = {name for name, p in c["peers"].items() if p["reachable"]}
+    return (up == set(live) and reached == set(live) - {c["host"]} and
+            all(h.get("config") == config and h.get("state") == "ready"
+                for h in c["hosts"] if h["live"]))
+
+
+def settle(tmp, config, live):
+    """Waits until every host in `live` sees exactly those hosts live and
+    reachable, each having recorded `config` materialized."""
     for _ in range(600):
-        with open(f"{mnt}/status") as f:
-            hosts = json.load(f)["cluster"]["hosts"]
-        up = {h["name"] for h in hosts if h["live"]}
-        if up == set(live) and all(h.get("config") == config and h.get("state") == "ready"
-                                   for h in hosts if h["live"]):
+        if all(settled(f"{tmp}/mnt-{h}", config, live) for h in live):
             return
         time.sleep(0.05)
-    raise SystemExit(f"{mnt} did not settle on {config} with {live} live")
+    raise SystemExit(f"the hosts did not settle on {config} with {live} live")
 
 
 def main():
@@ -76,19 +83,22 @@ def main():
             for h in HOSTS:
                 show(f"scalai mount store-{h} mnt-{h} --cluster cluster.json --host {h}",
                      net, h, cwd=tmp)
-            settle(f"{tmp}/mnt-h0", "tp=2,pp=1,dp=1", HOSTS)
+            settle(tmp, "tp=2,pp=1,dp=1", HOSTS)
             show("scalai cluster status mnt-h0", cwd=tmp)
-            show("echo tp=4,pp=2,dp=1 > mnt-h2/config", net, "h2", cwd=tmp)
-            settle(f"{tmp}/mnt-h0", "tp=4,pp=2,dp=1", HOSTS)
+            show("echo tp=4,pp=2,dp=1,hosts=h0+h1+h2+h3 > mnt-h2/config", net, "h2", cwd=tmp)
+            settle(tmp, "tp=4,pp=2,dp=1,hosts=h0+h1+h2+h3", HOSTS)
             show("cat mnt-h0/config; ls mnt-h3/ckpt/latest", net, "h0", cwd=tmp)
             show("scalai umount mnt-h3   # h3 is lost", net, "h3", cwd=tmp)
-            settle(f"{tmp}/mnt-h0", "tp=4,pp=2,dp=1", HOSTS[:3])
-            show("scalai reconfigure mnt-h1 tp=2,pp=2,dp=2 --wait", net, "h1", cwd=tmp)
-            settle(f"{tmp}/mnt-h0", "tp=2,pp=2,dp=2", HOSTS[:3])
+            settle(tmp, "tp=4,pp=2,dp=1,hosts=h0+h1+h2+h3", HOSTS[:3])
+            show("scalai reconfigure mnt-h0 tp=2,pp=2,dp=2,hosts=h0+h1+h2+h3", net, "h0",
+                 cwd=tmp, fails=True)
+            show("scalai reconfigure mnt-h1 tp=2,pp=1,dp=3,hosts=h0+h1+h2 --wait", net, "h1",
+                 cwd=tmp)
+            settle(tmp, "tp=2,pp=1,dp=3,hosts=h0+h1+h2", HOSTS[:3])
             show("scalai cluster status mnt-h0", cwd=tmp)
             show("scalai mount store-h3 mnt-h3 --cluster cluster.json --host h3   # back",
                  net, "h3", cwd=tmp)
-            settle(f"{tmp}/mnt-h0", "tp=2,pp=2,dp=2", HOSTS)
+            settle(tmp, "tp=2,pp=1,dp=3,hosts=h0+h1+h2", HOSTS)
             show("cat mnt-h3/config", cwd=tmp)
             show("scalai cluster status mnt-h3", cwd=tmp)
             for h in HOSTS:

@@ -27,6 +27,11 @@ absl::Status RunImport(const ImportCliOptions& o) {
   ImportOptions options;
   options.src = o.src;
   ASSIGN_OR_RETURN(options.config, ParallelConfig::Parse(o.config));
+  if (!options.config.hosts().empty()) {
+    return absl::InvalidArgumentError(
+        "--config: a checkpoint is saved under tp, pp, dp and stages; hosts= "
+        "belongs to a mount's config");
+  }
   options.step = OptionalValue(o.step_option, o.step);
   ProgressBar bar("import");
   options.progress = bar.Callback();

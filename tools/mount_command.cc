@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "fs/cluster_join.h"
 #include "fs/cluster_member.h"
 #include "fs/fuse_server.h"
 #include "fs/tree.h"
@@ -52,6 +53,13 @@ absl::StatusOr<std::string> Absolute(const std::string& path) {
 // serves it; `ready` is called once the mount exists.
 absl::Status Serve(const MountCliOptions& o,
                    const std::function<void()>& ready) {
+  std::optional<ClusterFile> cluster;
+  if (!o.cluster.empty()) {
+    ASSIGN_OR_RETURN(cluster, ClusterFile::Load(o.cluster));
+    // A new host: its empty store is filled from the cluster first.
+    ASSIGN_OR_RETURN(bool empty, StoreIsEmpty(o.store));
+    if (empty) RETURN_IF_ERROR(FillStoreFromCluster(*cluster, o.host, o.store));
+  }
   ASSIGN_OR_RETURN(auto store, Store::Open(o.store));
   std::optional<ParallelConfig> config = store->current_config();
   if (!o.config.empty()) {
@@ -61,6 +69,16 @@ absl::Status Serve(const MountCliOptions& o,
     return absl::FailedPreconditionError(absl::StrCat(
         "store ", o.store,
         " has no parallel config yet: import a checkpoint or pass --config"));
+  }
+  if (o.cluster.empty() && !config->hosts().empty()) {
+    if (!o.config.empty()) {
+      return absl::InvalidArgumentError(
+          "--config: hosts= names the hosts of a job that spans hosts; mount "
+          "with --cluster and --host for that");
+    }
+    // A store last mounted as one host of a cluster: alone, it runs every
+    // rank.
+    ASSIGN_OR_RETURN(config, config->WithHosts({}));
   }
   // The views are built first and the config committed after: a config the
   // store cannot serve changes nothing.
@@ -72,9 +90,8 @@ absl::Status Serve(const MountCliOptions& o,
   // A host of a cluster joins it before the mount answers: the views are
   // the cluster's config from the first read.
   std::unique_ptr<ClusterMember> member;
-  if (!o.cluster.empty()) {
-    ASSIGN_OR_RETURN(ClusterFile cluster, ClusterFile::Load(o.cluster));
-    ASSIGN_OR_RETURN(member, ClusterMember::Join(job, cluster, o.host));
+  if (cluster) {
+    ASSIGN_OR_RETURN(member, ClusterMember::Join(job, *cluster, o.host));
   }
   MountOptions mount;
   mount.mountpoint = o.mountpoint;

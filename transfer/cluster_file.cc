@@ -59,17 +59,6 @@ bool IsAddress(absl::string_view address) {
 
 }  // namespace
 
-bool IsHostName(absl::string_view name) {
-  if (name.empty() || name.size() > 64) return false;
-  for (char c : name) {
-    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' &&
-        c != '-') {
-      return false;
-    }
-  }
-  return true;
-}
-
 absl::StatusOr<ClusterFile> ClusterFile::Load(const std::string& path) {
   ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxFileBytes));
   const size_t slash = path.rfind('/');

@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "ptc/parallel_config.h"
 
 namespace scalai {
 
@@ -47,10 +48,6 @@ struct ClusterFile {
   // The host named `name`; the error lists the hosts there are.
   absl::StatusOr<const ClusterHost*> FindHost(absl::string_view name) const;
 };
-
-// Whether `name` may name a host: 1 to 64 letters, digits, '_' or '-' (a
-// config lists hosts joined by '+').
-bool IsHostName(absl::string_view name);
 
 }  // namespace scalai
 

@@ -117,4 +117,40 @@ absl::Status PeerClient::ReadTensor(const TensorRef& tensor, int64_t offset,
   return absl::OkStatus();
 }
 
+absl::StatusOr<int64_t> PeerClient::ReadFile(const std::string& path,
+                                             int64_t offset, int64_t length,
+                                             char* out) {
+  const std::string where =
+      absl::StrCat("peer ", peer_.name, " (", peer_.address, "), ", path);
+  grpc::ClientContext ctx;
+  Prepare(ctx, options_.host, options_.token, options_.deadline);
+  peer::ReadFileRequest request;
+  request.set_path(path);
+  request.set_offset(offset);
+  request.set_length(length);
+  std::unique_ptr<grpc::ClientReader<peer::Chunk>> reader =
+      channel_->stub->ReadFile(&ctx, request);
+  peer::Chunk chunk;
+  int64_t got = 0;
+  bool overflow = false;
+  while (reader->Read(&chunk)) {
+    const int64_t n = static_cast<int64_t>(chunk.data().size());
+    if (n > length - got) {
+      overflow = true;
+      ctx.TryCancel();
+      break;
+    }
+    std::memcpy(out + got, chunk.data().data(), static_cast<size_t>(n));
+    got += n;
+    bytes_fetched_.fetch_add(n);
+  }
+  grpc::Status finished = reader->Finish();
+  if (overflow) {
+    return Count(absl::DataLossError(
+        absl::StrCat(where, ": sent more than the ", length, " bytes asked")));
+  }
+  if (absl::Status s = Count(FromGrpc(finished, where)); !s.ok()) return s;
+  return got;
+}
+
 }  // namespace scalai

@@ -52,6 +52,11 @@ class PeerClient {
   absl::Status ReadTensor(const TensorRef& tensor, int64_t offset,
                           int64_t length, char* out);
 
+  // Bytes [offset, offset + length) of a file of the peer's mount into
+  // `out`; returns how many there were (fewer at the file's end).
+  absl::StatusOr<int64_t> ReadFile(const std::string& path, int64_t offset,
+                                   int64_t length, char* out);
+
   int64_t bytes_fetched() const { return bytes_fetched_.load(); }
   int64_t errors() const { return errors_.load(); }
   // False after a call that found the peer down or silent, until one

@@ -159,6 +159,45 @@ class PeerServer::Service final : public peer::Peer::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status ReadFile(grpc::ServerContext* ctx,
+                        const peer::ReadFileRequest* request,
+                        grpc::ServerWriter<peer::Chunk>* writer) override {
+    std::string caller;
+    if (grpc::Status admitted = s_.Admit(*ctx, &caller); !admitted.ok()) {
+      return admitted;
+    }
+    if (!s_.options.read_file) {
+      return s_.Fail(absl::UnimplementedError(
+          absl::StrCat("host ", s_.options.host, " serves no mount")));
+    }
+    if (request->offset() < 0 || request->length() < 0) {
+      return s_.Fail(absl::OutOfRangeError("a negative offset or length"));
+    }
+    std::string buffer;
+    peer::Chunk chunk;
+    for (int64_t at = 0; at < request->length(); at += kChunkBytes) {
+      if (ctx->IsCancelled()) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
+      }
+      const int64_t n = std::min(kChunkBytes, request->length() - at);
+      buffer.resize(static_cast<size_t>(n));
+      absl::StatusOr<int64_t> got = s_.options.read_file(
+          request->path(), request->offset() + at, n, buffer.data());
+      if (!got.ok()) return s_.Fail(got.status());
+      buffer.resize(static_cast<size_t>(*got));
+      if (*got > 0) {
+        chunk.set_data(buffer);
+        if (!writer->Write(chunk)) {
+          return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
+        }
+        std::lock_guard<std::mutex> lock(s_.mu);
+        s_.counters.bytes_served[caller] += *got;
+      }
+      if (*got < n) break;  // the end of the file
+    }
+    return grpc::Status::OK;
+  }
+
  private:
   State& s_;
 };

@@ -13,6 +13,7 @@
 #define SCALAI_TRANSFER_PEER_SERVER_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -32,6 +33,11 @@ class PeerServer {
     std::string address;  // "host:port" to listen on; port 0 picks one
     std::string token;
     std::optional<ClusterTls> tls;
+    // Reads a file of this host's mount (ReadFile): up to `length` bytes at
+    // `offset` into `out`, fewer at its end. Unset: ReadFile is refused.
+    std::function<absl::StatusOr<int64_t>(
+        const std::string& path, int64_t offset, int64_t length, char* out)>
+        read_file;
   };
   // What the server has done, for `status`.
   struct Counters {

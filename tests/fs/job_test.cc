@@ -106,6 +106,35 @@ TEST_F(JobTest, RefusedConfigChangesNothingAndSaysWhy) {
   EXPECT_TRUE(Status(*job)["error"].is_null());
 }
 
+TEST_F(JobTest, HostsAreRefusedWithoutAClusterAndAskedOfOneWithIt) {
+  std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
+  const ParallelConfig hosted =
+      *ParallelConfig::Parse("tp=2,pp=1,dp=2,hosts=h0+h1");
+  absl::Status alone = job->Reconfigure(hosted);
+  EXPECT_EQ(alone.code(), absl::StatusCode::kInvalidArgument) << alone;
+  EXPECT_NE(alone.message().find("without --cluster"), std::string::npos);
+  EXPECT_EQ(job->current()->generation(), 1u);
+  // With an agreement, it is asked; its refusal changes nothing either.
+  std::vector<std::string> asked;
+  job->SetAgreement([&](const ParallelConfig& c) {
+    asked.push_back(c.ToString());
+    return c.hosts().size() == 2 ? absl::OkStatus()
+                                 : absl::FailedPreconditionError("no");
+  });
+  ASSERT_TRUE(job->Reconfigure(hosted).ok());
+  EXPECT_EQ(job->current()->config(), hosted);
+  EXPECT_FALSE(
+      job->Reconfigure(*ParallelConfig::Parse("tp=2,pp=1,dp=3,hosts=a+b+c"))
+          .ok());
+  EXPECT_EQ(job->current()->config(), hosted);
+  EXPECT_EQ(asked, (std::vector<std::string>{"tp=2,pp=1,dp=2,hosts=h0+h1",
+                                             "tp=2,pp=1,dp=3,hosts=a+b+c"}));
+  // A config agreed elsewhere is not asked about again.
+  ASSERT_TRUE(job->ApplyAgreed(*ParallelConfig::Parse("tp=1,pp=1,dp=1")).ok());
+  EXPECT_EQ(asked.size(), 2u);
+  ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+}
+
 TEST_F(JobTest, OlderTreesLiveWhileTheKernelNamesThem) {
   std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
   std::shared_ptr<const Tree> first = job->current();

@@ -9,7 +9,8 @@ once end on one config everywhere; the etcd leader killed, the cluster still
 reconfigures; a host that leaves is shown not live and, mounted again,
 catches up with the configs it missed; a host cut off by its cable is shown
 unreachable and not live, and catches up once it is back; a host with a
-forged token reaches no peer and is served nothing. Each store passes fsck
+forged token reaches no peer and is served nothing; a host with an empty
+store fills it from a peer, taking each shard once. Each store passes fsck
 at the end.
 Exits 77 only where /dev/fuse is missing or namespaces cannot be made."""
 import errno
@@ -157,6 +158,7 @@ def main():
 
             config = walk(r, mnts, full)
             config = refused(mnts, config)
+            config = hosted(mnts, full, config)
             for _ in range(4):
                 config = racing(r, mnts, config)
             config = leader_killed(r, net, etcd, mnts, full, config)
@@ -164,6 +166,7 @@ def main():
             config = partitioned(r, net, mnts, full, config)
             intruder(net, mnts, mounts, tmp)
             config = host_leaves(r, mnts, mount, mounts, full, config)
+            new_host(mnts, mount, mounts, full, config, tmp)
 
             for h in HOSTS:
                 run("umount", mnts[h])
@@ -209,6 +212,25 @@ def refused(mnts, config):
         assert status(m)["config"] == config, h
         assert cluster_status(m)["generation"] == before, h
     print("refused config: no host changed")
+    return config
+
+
+def hosted(mnts, full, config):
+    """A config that names its hosts: every host shows it and the block of
+    ranks each runs; one naming a host the cluster file lacks is refused."""
+    config = "tp=2,pp=2,dp=2,hosts=h0+h1+h2+h3"
+    assert write_config(mnts["h1"], config) == 0, status(mnts["h1"])
+    wait_all(mnts, config)
+    check_bytes(mnts["h2"], full, config, LAYERS, DIVISOR)
+    ranks = {h["name"]: h["ranks"] for h in cluster_status(mnts["h0"])["hosts"]}
+    assert ranks == {"h0": [0, 1], "h1": [2, 3], "h2": [4, 5], "h3": [6, 7]}, ranks
+    assert write_config(mnts["h0"], "tp=2,pp=2,dp=2,hosts=h0+h9") == errno.EINVAL
+    assert "no host \"h9\"" in status(mnts["h0"])["error"], status(mnts["h0"])
+    assert write_config(mnts["h0"], "tp=2,pp=2,dp=2,hosts=h0+h1+h2") == errno.EINVAL
+    assert "cannot be split over 3 hosts" in status(mnts["h0"])["error"]
+    for m in mnts.values():
+        assert status(m)["config"] == config
+    print(f"{config}: each host runs its block of ranks")
     return config
 
 
@@ -385,9 +407,12 @@ def intruder(net, mnts, mounts, tmp):
 
 
 def host_leaves(r, mnts, mount, mounts, full, config):
-    """A host unmounted (intruder() left h3 so) is not live for the others;
-    the configs it missed are its own once it is mounted again."""
+    """A host unmounted (intruder() left h3 so) is not live for the others,
+    and a config may not name it; the configs it missed are its own once it
+    is mounted again."""
     wait_live(mnts["h0"], ["h0", "h1", "h2"])
+    assert write_config(mnts["h0"], "tp=2,pp=2,dp=2,hosts=h0+h1+h2+h3") == errno.EINVAL
+    assert "host h3 is not live" in status(mnts["h0"])["error"], status(mnts["h0"])
     others = {h: m for h, m in mnts.items() if h != "h3"}
     for _ in range(2):
         new = next_config(r, config)
@@ -400,6 +425,32 @@ def host_leaves(r, mnts, mount, mounts, full, config):
     wait_live(mnts["h0"], HOSTS)
     print(f"h3 left and came back: it caught up to {config}")
     return config
+
+
+def new_host(mnts, mount, mounts, full, config, tmp):
+    """h3 with an empty store: it takes the layout from etcd and the newest
+    step's shards from h0 (the first live peer), exactly once: the bytes h0
+    served it are the shards of the dp_rank 0 ranks and h0's job.json."""
+    run("umount", mnts["h3"])
+    mounts.discard(mnts["h3"])
+    store = f"{tmp}/h3/store"
+    for name in os.listdir(store):
+        p = f"{store}/{name}"
+        subprocess.run(["rm", "-rf", p], check=True)
+    served_before = cluster_status(mnts["h0"])["bytes_served"].get("h3", 0)
+    mount("h3")
+    wait_all(mnts, config)
+    check_bytes(mnts["h3"], full, config, LAYERS, DIVISOR)
+    tp, pp, dp, _ = parse_config(config)
+    latest = f"{mnts['h0']}/ckpt/latest"
+    shards = sum(os.stat(f"{latest}/rank-{rank:05d}/model.safetensors").st_size
+                 for rank in range(tp * pp * dp) if (rank // tp) % dp == 0)
+    job_json = os.stat(f"{mnts['h0']}/job.json").st_size
+    served = cluster_status(mnts["h0"])["bytes_served"].get("h3", 0) - served_before
+    assert served == shards + job_json, (served, shards, job_json)
+    for h in ["h1", "h2"]:
+        assert "h3" not in cluster_status(mnts[h])["bytes_served"], h
+    print(f"h3 joined with an empty store: {served} bytes from h0, the shards once")
 
 
 if __name__ == "__main__":

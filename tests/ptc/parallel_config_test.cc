@@ -29,6 +29,24 @@ TEST(ParallelConfig, AcceptsAnyKeyOrderStagesAndEchoNewline) {
   EXPECT_EQ(*ParallelConfig::Parse(c->ToString()), *c);
 }
 
+TEST(ParallelConfig, HostsRunContiguousBlocksOfRanks) {
+  auto c = ParallelConfig::Parse("tp=2,pp=2,dp=2,hosts=h0+gpu-1+h_2+h3");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->hosts(), (std::vector<std::string>{"h0", "gpu-1", "h_2", "h3"}));
+  EXPECT_EQ(c->ToString(), "tp=2,pp=2,dp=2,hosts=h0+gpu-1+h_2+h3");
+  EXPECT_EQ(*ParallelConfig::Parse(c->ToString()), *c);
+  // 8 ranks on 4 hosts: two each, in rank order.
+  std::vector<int> host_of;
+  for (int rank = 0; rank < 8; ++rank) host_of.push_back(c->HostOfRank(rank));
+  EXPECT_EQ(host_of, (std::vector<int>{0, 0, 1, 1, 2, 2, 3, 3}));
+  // The hosts are part of the config: another order is another config.
+  EXPECT_NE(*ParallelConfig::Parse("tp=2,pp=2,dp=2,hosts=h3+gpu-1+h_2+h0"), *c);
+  auto plain = ParallelConfig::Parse("tp=2,pp=2,dp=2");
+  EXPECT_TRUE(plain->hosts().empty());
+  EXPECT_EQ(plain->HostOfRank(7), 0);
+  EXPECT_EQ(*c->WithHosts({}), *plain);
+}
+
 struct BadConfig {
   const char* text;
   const char* message;
@@ -57,7 +75,14 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"tp=1,pp=2,dp=1,stages=3:0", "stages=0 must be at least 1"},
         BadConfig{"tp=1,pp=2,dp=1,stages=3:x", "stages=x is not a number"},
         BadConfig{"tp=4096,pp=4096,dp=4096", "exceeds"},
-        BadConfig{"tp=99999999999,pp=1,dp=1", "too large"}));
+        BadConfig{"tp=99999999999,pp=1,dp=1", "too large"},
+        BadConfig{"tp=2,pp=1,dp=1,hosts=a+a", "host a is listed twice"},
+        BadConfig{"tp=2,pp=1,dp=2,hosts=a+b+c",
+                  "world size 4 cannot be split over 3 hosts"},
+        BadConfig{"tp=2,pp=1,dp=1,hosts=a++b", "host name \"\""},
+        BadConfig{"tp=2,pp=1,dp=1,hosts=", "host name \"\""},
+        BadConfig{"tp=2,pp=1,dp=1,hosts=a,hosts=b", "hosts given twice"},
+        BadConfig{"tp=2,pp=1,dp=1,hosts=a b", "host name \"a b\""}));
 
 TEST(ParallelConfig, MegatronRankOrder) {
   auto c = *ParallelConfig::Parse("tp=2,pp=3,dp=4");

@@ -5,7 +5,9 @@
 // there costs a bounded wait and is marked unreachable.
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 
 #include "absl/strings/str_cat.h"
@@ -21,8 +23,10 @@ constexpr char kToken[] = "0123456789abcdef-job-token";
 class PeerTest : public StoreFixture {
  protected:
   std::unique_ptr<PeerServer> StartServer(
-      std::optional<ClusterTls> tls = std::nullopt) {
+      std::optional<ClusterTls> tls = std::nullopt,
+      decltype(PeerServer::Options::read_file) read_file = nullptr) {
     PeerServer::Options o;
+    o.read_file = std::move(read_file);
     o.job = "gpt";
     o.host = "h0";
     o.address = "127.0.0.1:0";
@@ -104,6 +108,41 @@ TEST_F(PeerTest, ServesEveryTensorOfEveryRankAsCutDirectly) {
   EXPECT_EQ(server->counters().bytes_served.at("h1"), fetched);
   EXPECT_EQ(server->counters().refused, 0);
   EXPECT_TRUE(client.reachable());
+}
+
+TEST_F(PeerTest, FilesOfTheMountAreReadToTheirEndOrRefused) {
+  // 3 MiB and a bit: several messages, and a short last read.
+  std::string file((3 << 20) + 12345, '\0');
+  for (size_t i = 0; i < file.size(); ++i) file[i] = static_cast<char>(i * 7);
+  std::unique_ptr<PeerServer> server =
+      StartServer(std::nullopt,
+                  [&](const std::string& path, int64_t offset, int64_t length,
+                      char* out) -> absl::StatusOr<int64_t> {
+                    if (path != "ckpt/f")
+                      return absl::NotFoundError("no " + path);
+                    const int64_t n = std::max<int64_t>(
+                        0, std::min<int64_t>(length, file.size() - offset));
+                    std::memcpy(out, file.data() + offset, n);
+                    return n;
+                  });
+  ASSERT_NE(server, nullptr);
+  PeerClient client = Client(*server);
+  std::string got(4 << 20, '\0');
+  auto n = client.ReadFile("ckpt/f", 100, 4 << 20, got.data());
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, static_cast<int64_t>(file.size()) - 100);
+  EXPECT_EQ(got.substr(0, *n), file.substr(100));
+  EXPECT_EQ(server->counters().bytes_served.at("h1"), *n);
+  EXPECT_EQ(client.ReadFile("ckpt/g", 0, 10, got.data()).status().code(),
+            absl::StatusCode::kNotFound);
+  // Without the token: nothing; a server with no mount: refused.
+  PeerClient intruder = Client(*server, "wrong-token-of-16+chars");
+  EXPECT_EQ(intruder.ReadFile("ckpt/f", 0, 10, got.data()).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  std::unique_ptr<PeerServer> bare = StartServer();
+  PeerClient to_bare = Client(*bare);
+  EXPECT_EQ(to_bare.ReadFile("ckpt/f", 0, 10, got.data()).status().code(),
+            absl::StatusCode::kUnimplemented);
 }
 
 TEST_F(PeerTest, CallsWithoutTheTokenAreRefusedCountedAndServedNothing) {
