@@ -49,10 +49,15 @@ def run(*args, expect=0):
     return scalai(BIN, *args, expect=expect)
 
 
-def next_config(r, config):
+def next_config(r, config, hosts=None):
+    """A random config; a third of them name hosts (an ordered choice among
+    `hosts`, as many as divide the world size)."""
     while True:
         tp, pp, dp = r.choice([1, 2, 3, 6]), r.randint(1, 4), r.randint(1, 3)
         new = f"tp={tp},pp={pp},dp={dp}"
+        if hosts and r.random() < 1 / 3:
+            counts = [n for n in range(1, len(hosts) + 1) if (tp * pp * dp) % n == 0]
+            new += ",hosts=" + "+".join(r.sample(hosts, r.choice(counts)))
         if new != config:
             return new
 
@@ -186,7 +191,7 @@ def walk(r, mnts, full):
     """Each config written to a random host becomes every host's."""
     config = START
     for i in range(STEPS):
-        new = next_config(r, config)
+        new = next_config(r, config, HOSTS)
         writer = r.choice(HOSTS)
         assert write_config(mnts[writer], new) == 0, (writer, status(mnts[writer]))
         wait_all(mnts, new)
@@ -196,6 +201,14 @@ def walk(r, mnts, full):
             check_bytes(mnts[h], full, config, LAYERS, DIVISOR)
         generations = {cluster_status(m)["generation"] for m in mnts.values()}
         assert len(generations) == 1, generations
+        if "hosts=" in new:
+            named = new.split("hosts=")[1].split("+")
+            per = parse_config(new)[0] * parse_config(new)[1] * parse_config(new)[2] // len(named)
+            ranks = {h["name"]: h["ranks"] for h in cluster_status(mnts[writer])["hosts"]}
+            for i_host, h in enumerate(named):
+                assert ranks[h] == [i_host * per, (i_host + 1) * per - 1], (new, ranks)
+            for h in set(HOSTS) - set(named):
+                assert ranks[h] is None, (new, ranks)
         print(f"walk {i}: {new} written on {writer}, every host switched")
     return config
 
