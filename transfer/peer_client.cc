@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "ptc/status_macros.h"
 #include "transfer/peer.grpc.pb.h"
 #include "transfer/peer_call.h"
 
@@ -42,6 +43,37 @@ void Prepare(grpc::ClientContext& ctx, const std::string& host,
   ctx.AddMetadata(kPeerTokenKey, BearerToken(token));
   ctx.AddMetadata(kPeerHostKey, host);
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+}
+
+// Copies a call's stream of chunks into `out`, at most `length` bytes (a
+// peer that sends more is not trusted), counting them into `fetched`;
+// returns how many came.
+absl::StatusOr<int64_t> Drain(grpc::ClientContext& ctx,
+                              grpc::ClientReader<peer::Chunk>& reader,
+                              int64_t length, char* out,
+                              std::atomic<int64_t>& fetched,
+                              const std::string& where) {
+  peer::Chunk chunk;
+  int64_t got = 0;
+  bool overflow = false;
+  while (reader.Read(&chunk)) {
+    const int64_t n = static_cast<int64_t>(chunk.data().size());
+    if (n > length - got) {
+      overflow = true;
+      ctx.TryCancel();
+      break;
+    }
+    std::memcpy(out + got, chunk.data().data(), static_cast<size_t>(n));
+    got += n;
+    fetched.fetch_add(n);
+  }
+  grpc::Status finished = reader.Finish();
+  if (overflow) {
+    return absl::DataLossError(
+        absl::StrCat(where, ": sent more than the ", length, " bytes asked"));
+  }
+  RETURN_IF_ERROR(FromGrpc(finished, where));
+  return got;
 }
 
 }  // namespace
@@ -90,31 +122,14 @@ absl::Status PeerClient::ReadTensor(const TensorRef& tensor, int64_t offset,
   request.set_length(length);
   std::unique_ptr<grpc::ClientReader<peer::Chunk>> reader =
       channel_->stub->ReadTensor(&ctx, request);
-  peer::Chunk chunk;
-  int64_t got = 0;
-  bool overflow = false;
-  while (reader->Read(&chunk)) {
-    const int64_t n = static_cast<int64_t>(chunk.data().size());
-    if (n > length - got) {
-      overflow = true;  // more than asked for: not trusted
-      ctx.TryCancel();
-      break;
-    }
-    std::memcpy(out + got, chunk.data().data(), static_cast<size_t>(n));
-    got += n;
-    bytes_fetched_.fetch_add(n);
-  }
-  grpc::Status finished = reader->Finish();
-  if (overflow) {
-    return Count(absl::DataLossError(
-        absl::StrCat(where, ": sent more than the ", length, " bytes asked")));
-  }
-  if (absl::Status s = Count(FromGrpc(finished, where)); !s.ok()) return s;
-  if (got != length) {
+  absl::StatusOr<int64_t> got =
+      Drain(ctx, *reader, length, out, bytes_fetched_, where);
+  if (!got.ok()) return Count(got.status());
+  if (*got != length) {
     return Count(absl::DataLossError(absl::StrCat(
-        where, ": sent ", got, " of the ", length, " bytes asked")));
+        where, ": sent ", *got, " of the ", length, " bytes asked")));
   }
-  return absl::OkStatus();
+  return Count(absl::OkStatus());
 }
 
 absl::StatusOr<int64_t> PeerClient::ReadFile(const std::string& path,
@@ -130,26 +145,10 @@ absl::StatusOr<int64_t> PeerClient::ReadFile(const std::string& path,
   request.set_length(length);
   std::unique_ptr<grpc::ClientReader<peer::Chunk>> reader =
       channel_->stub->ReadFile(&ctx, request);
-  peer::Chunk chunk;
-  int64_t got = 0;
-  bool overflow = false;
-  while (reader->Read(&chunk)) {
-    const int64_t n = static_cast<int64_t>(chunk.data().size());
-    if (n > length - got) {
-      overflow = true;
-      ctx.TryCancel();
-      break;
-    }
-    std::memcpy(out + got, chunk.data().data(), static_cast<size_t>(n));
-    got += n;
-    bytes_fetched_.fetch_add(n);
-  }
-  grpc::Status finished = reader->Finish();
-  if (overflow) {
-    return Count(absl::DataLossError(
-        absl::StrCat(where, ": sent more than the ", length, " bytes asked")));
-  }
-  if (absl::Status s = Count(FromGrpc(finished, where)); !s.ok()) return s;
+  absl::StatusOr<int64_t> got =
+      Drain(ctx, *reader, length, out, bytes_fetched_, where);
+  if (!got.ok()) return Count(got.status());
+  Count(absl::OkStatus()).IgnoreError();  // it answered: reachable again
   return got;
 }
 
