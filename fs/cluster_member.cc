@@ -336,27 +336,42 @@ void ClusterMember::CheckPeers() {
 }
 
 void ClusterMember::RecordProgress() {
-  nlohmann::json status =
-      nlohmann::json::parse(job_.StatusText(), nullptr, false);
-  if (status.is_discarded()) return;
-  nlohmann::json progress;
+  const Job::Progress p = job_.progress();
+  int64_t generation = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    progress = {{"generation", generation_},
-                {"config", status["config"]},
-                {"state", status["state"]},
-                {"progress", status["progress"]},
-                {"bytes_moved", status["bytes_moved"]},
-                {"error", status["error"]}};
+    generation = generation_;
   }
-  const std::string value = progress.dump();
+  nlohmann::json progress = {{"generation", generation},
+                             {"config", p.config},
+                             {"state", p.state},
+                             {"progress", p.progress},
+                             {"bytes_moved", p.bytes_moved},
+                             {"error", nullptr}};
+  if (!p.error.empty()) progress["error"] = p.error;
+  // The bytes this host's store holds change only with its config or
+  // state (a materialization committed, a step saved): counted then, not
+  // at every beat.
+  const std::string key =
+      absl::StrCat(p.generation, " ", p.config, " ", p.state);
+  if (key != bytes_held_key_) {
+    absl::StatusOr<std::map<std::string, BlobRecord>> blobs =
+        job_.store().Blobs();
+    if (!blobs.ok()) return;
+    bytes_held_ = 0;
+    for (const auto& [name, blob] : *blobs) bytes_held_ += blob.size;
+    bytes_held_key_ = key;
+  }
+  progress["bytes_held"] = bytes_held_;
+  std::string value =
+      progress.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (value == progress_written_) return;
   }
   if (etcd_->PutValue(Key("progress/" + host_), value).ok()) {
     std::lock_guard<std::mutex> lock(mu_);
-    progress_written_ = value;
+    progress_written_ = std::move(value);
   }
 }
 

@@ -98,6 +98,11 @@ class ClusterMember {
   nlohmann::json hosts_ = nlohmann::json::array();  // as last read
   std::string etcd_error_;        // the last failure to reach etcd
   std::string progress_written_;  // the last progress value put
+  // Only the beat thread (and Start, before it) records progress: these
+  // need no lock. The store's blob bytes, counted for the job's state
+  // `bytes_held_key_`.
+  int64_t bytes_held_ = 0;
+  std::string bytes_held_key_;
   std::unique_ptr<EtcdClient::Watch> watch_;
   // The other hosts: a client each (used by the check thread and, later,
   // the data plane; thread-safe) and what the last check found.

@@ -333,25 +333,40 @@ void Job::ReportError(absl::string_view message) {
   error_ = std::string(message);
 }
 
+Job::Progress Job::ProgressLocked() const {
+  Progress p;
+  p.generation = current_->generation();
+  p.config = current_->config().ToString();
+  p.bytes_moved = moved_.load();
+  p.bytes_to_move = to_move_.load();
+  if (materializing_ || materialization_failed_) {
+    p.progress = p.bytes_to_move > 0
+                     ? static_cast<double>(p.bytes_moved) / p.bytes_to_move
+                     : 0.0;
+  }
+  p.state = materializing_            ? "materializing"
+            : materialization_failed_ ? "failed"
+                                      : "ready";
+  p.error = error_;
+  return p;
+}
+
+Job::Progress Job::progress() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ProgressLocked();
+}
+
 std::string Job::StatusText() {
   std::lock_guard<std::mutex> lock(mu_);
-  const int64_t done = moved_.load();
-  const int64_t total = to_move_.load();
-  double progress = 1.0;
-  if (materializing_ || materialization_failed_) {
-    progress = total > 0 ? static_cast<double>(done) / total : 0.0;
-  }
-  const char* state = materializing_            ? "materializing"
-                      : materialization_failed_ ? "failed"
-                                                : "ready";
-  nlohmann::json j = {{"generation", current_->generation()},
-                      {"config", current_->config().ToString()},
-                      {"state", state},
-                      {"progress", progress},
+  const Progress p = ProgressLocked();
+  nlohmann::json j = {{"generation", p.generation},
+                      {"config", p.config},
+                      {"state", p.state},
+                      {"progress", p.progress},
                       {"error", nullptr},
-                      {"bytes_to_move", total},
-                      {"bytes_moved", done}};
-  if (!error_.empty()) j["error"] = error_;
+                      {"bytes_to_move", p.bytes_to_move},
+                      {"bytes_moved", p.bytes_moved}};
+  if (!p.error.empty()) j["error"] = p.error;
   if (status_section_) j[status_key_] = status_section_();
   // Steps being saved, and the dp_rank 0 ranks each still waits for.
   j["saving"] = nlohmann::json::array();

@@ -107,6 +107,19 @@ class Job {
   // Waits until no materialization runs; false on timeout.
   bool WaitMaterialized(absl::Duration timeout);
 
+  // Where the job stands: what `status` shows but the saves and the
+  // sections others add.
+  struct Progress {
+    uint64_t generation = 0;
+    std::string config;
+    std::string state;  // "ready", "materializing" or "failed"
+    double progress = 1.0;
+    int64_t bytes_to_move = 0;
+    int64_t bytes_moved = 0;
+    std::string error;  // empty: none
+  };
+  Progress progress();
+
   // The error `status` shows until the next success clears it.
   void ReportError(absl::string_view message);
   // The JSON of MOUNT/status, newline-terminated.
@@ -123,6 +136,7 @@ class Job {
   void ApplyRetentionLocked();
   std::vector<std::string> RootNamesLocked() const;
   absl::Status CheckGenerationLocked() const;
+  Progress ProgressLocked() const;
 
   Store& store_;
   const int keep_steps_;

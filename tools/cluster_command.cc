@@ -49,22 +49,23 @@ absl::Status RunClusterStatus(const std::string& mountpoint, bool json) {
   if (!c["etcd_error"].is_null()) {
     std::printf("etcd: %s\n", Text(c, "etcd_error").c_str());
   }
-  std::printf("%-8s %-20s %-5s %-7s %-11s %-34s %-13s %10s  %s\n", "HOST",
+  std::printf("%-8s %-20s %-5s %-7s %-11s %-34s %-13s %10s %10s  %s\n", "HOST",
               "ADDRESS", "LIVE", "RANKS", "GENERATION", "CONFIG", "STATE",
-              "MOVED", "ERROR");
+              "HELD", "MOVED", "ERROR");
   for (const nlohmann::json& h : c["hosts"]) {
     const int64_t moved = h.value("bytes_moved", int64_t{0});
+    const int64_t held = h.value("bytes_held", int64_t{0});
     std::string ranks = "-";
     if (h.contains("ranks") && h["ranks"].is_array()) {
       ranks =
           absl::StrCat(h["ranks"][0].get<int>(), "-", h["ranks"][1].get<int>());
     }
-    std::printf("%-8s %-20s %-5s %-7s %-11s %-34s %-13s %10s  %s\n",
+    std::printf("%-8s %-20s %-5s %-7s %-11s %-34s %-13s %10s %10s  %s\n",
                 Text(h, "name").c_str(), Text(h, "address").c_str(),
                 h.value("live", false) ? "yes" : "no", ranks.c_str(),
                 Text(h, "generation").c_str(), Text(h, "config").c_str(),
-                Text(h, "state").c_str(), HumanBytes(moved).c_str(),
-                Text(h, "error").c_str());
+                Text(h, "state").c_str(), HumanBytes(held).c_str(),
+                HumanBytes(moved).c_str(), Text(h, "error").c_str());
   }
   if (c.contains("peers") && c["peers"].is_object()) {
     std::printf("peers of %s:", Text(c, "host").c_str());

@@ -116,6 +116,22 @@ def wait_peers(mnt, reachable, error="", timeout=30):
         time.sleep(0.2)
 
 
+def held_as_stored(mnts, tmp, timeout=30):
+    """Each host's `bytes_held`, as every host sees it, is the size of the
+    blob files in its store."""
+    want = {h: sum(os.path.getsize(f"{tmp}/{h}/store/blobs/{b}")
+                   for b in os.listdir(f"{tmp}/{h}/store/blobs")) for h in HOSTS}
+    assert all(want.values()), want
+    deadline = time.time() + timeout
+    while True:
+        seen = [{h["name"]: h.get("bytes_held") for h in cluster_status(m)["hosts"]}
+                for m in mnts.values()]
+        if all(s == want for s in seen):
+            return
+        assert time.time() < deadline, (seen, want)
+        time.sleep(0.2)
+
+
 def main():
     require_fuse()
     require_netns()
@@ -157,6 +173,7 @@ def main():
             for h, m in mnts.items():
                 wait_live(m, HOSTS)
                 wait_peers(m, set(HOSTS) - {h})
+            held_as_stored(mnts, tmp)
             text = run("cluster", "status", mnts["h2"]).stdout
             print(text)
             assert "seen from h2" in text and text.count(" yes ") == 4, text
