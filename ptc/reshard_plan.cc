@@ -1,6 +1,7 @@
 #include "ptc/reshard_plan.h"
 
 #include <algorithm>
+#include <functional>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -87,14 +88,19 @@ bool SamePieces(const TensorShard& a, const TensorShard& b) {
   return true;
 }
 
+// How much a source group is worth reading from: one this host holds
+// (others are fetched from peers), then the preferred one; the first of
+// equals wins.
+using SourceRank = std::function<int(int group)>;
+
 // An old shard with the same pieces in the same local places as `dst`, so
-// that its bytes serve `dst` as they are; the preferred group wins ties.
+// that its bytes serve `dst` as they are; the best-ranked group wins.
 ShardRef FindIdentical(const Placement& from, const TensorIndex& ti,
-                       const TensorShard& dst, int preferred) {
+                       const TensorShard& dst, const SourceRank& rank) {
   ShardRef found;
   auto consider = [&](ShardRef cand) {
     if (SamePieces(dst, from.shards(cand.group)[cand.shard]) &&
-        (!found.valid() || cand.group == preferred)) {
+        (!found.valid() || rank(cand.group) > rank(found.group))) {
       found = cand;
     }
   };
@@ -134,8 +140,8 @@ int64_t ContiguousRun(const Box& box, const Shape& shape, const Shape& idx) {
 }  // namespace
 
 absl::StatusOr<ReshardPlan> ReshardPlan::Create(
-    std::shared_ptr<const Placement> from,
-    std::shared_ptr<const Placement> to) {
+    std::shared_ptr<const Placement> from, std::shared_ptr<const Placement> to,
+    const std::optional<std::vector<int>>& held) {
   const Model& model = from->model();
   if (&model != &to->model()) {
     if (model.size() != to->model().size()) {
@@ -164,6 +170,11 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
     const int first_rank = cto.Rank({g % cto.tp(), 0, g / cto.tp()});
     const int preferred =
         first_rank < cfrom.world_size() ? cfrom.ShardGroup(first_rank) : -1;
+    const SourceRank rank = [&](int group) {
+      const bool here =
+          !held || std::binary_search(held->begin(), held->end(), group);
+      return (here ? 2 : 0) + (group == preferred ? 1 : 0);
+    };
     GroupPlan& gp = plan.groups_[g];
     const std::vector<TensorShard>& shards = to->shards(g);
     gp.ops.resize(shards.size());
@@ -186,7 +197,7 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
           if (it->begin > covered) break;  // a gap: reported below
           const SourceInterval::Holder* h = &it->holders.front();
           for (const SourceInterval::Holder& cand : it->holders) {
-            if (cand.shard.group == preferred) h = &cand;
+            if (rank(cand.shard.group) > rank(h->shard.group)) h = &cand;
           }
           const ShardPiece& sp =
               from->shards(h->shard.group)[h->shard.shard].pieces[h->piece];
@@ -206,7 +217,7 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
                            ": no old shard holds ", piece.global.ToString()));
         }
       }
-      gp.in_place[k] = FindIdentical(*from, ti, dst, preferred);
+      gp.in_place[k] = FindIdentical(*from, ti, dst, rank);
     }
   }
   return plan;

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -66,9 +67,13 @@ struct PlanSummary {
 class ReshardPlan {
  public:
   // Both placements must be of the same model (names, dtypes, shapes).
+  // `held`, when set, lists the groups of `from` this host holds (in a
+  // cluster); a byte some of them has is read from there rather than from
+  // a replica elsewhere.
   static absl::StatusOr<ReshardPlan> Create(
       std::shared_ptr<const Placement> from,
-      std::shared_ptr<const Placement> to);
+      std::shared_ptr<const Placement> to,
+      const std::optional<std::vector<int>>& held = std::nullopt);
 
   const Placement& from() const { return *from_; }
   const Placement& to() const { return *to_; }

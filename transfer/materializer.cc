@@ -128,9 +128,21 @@ class BlobWriter {
   ChunkHasher hasher_;
 };
 
+// Bytes fetched from other hosts at a time: a few messages of the peer
+// stream, so that a long remote piece is written as it arrives.
+constexpr int64_t kFetchBytes = 4 << 20;
+
+// Where a blob's sources are that this host does not hold, and how many
+// bytes came from there.
+struct Fetcher {
+  const RemoteBytes* remote;
+  std::atomic<int64_t> fetched{0};
+};
+
 absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
                                      const BlobJob& job, const StepView& view,
                                      int64_t step, Progress& progress,
+                                     Fetcher& fetcher,
                                      const std::atomic<bool>* cancel) {
   ASSIGN_OR_RETURN(UniqueFd out,
                    OpenFile(path, O_WRONLY | O_CREAT | O_EXCL, 0600));
@@ -143,8 +155,25 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
     ASSIGN_OR_RETURN(std::vector<Segment> segments,
                      view.plan().Resolve(job.group, k, 0, shards[k].bytes));
     int64_t since_check = 0;
+    std::unique_ptr<char[]> fetched;
     for (const Segment& seg : segments) {
-      if (seg.src.valid()) {
+      if (seg.src.valid() && !view.stored().holds(seg.src.group)) {
+        if (fetcher.remote == nullptr) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "step ", step, ": shard group ", seg.src.group, " of ",
+              view.plan().from().config().ToString(), " is not held here"));
+        }
+        if (!fetched) fetched.reset(new char[kFetchBytes]);
+        const std::string from = view.plan().from().config().ToString();
+        for (int64_t at = 0; at < seg.length; at += kFetchBytes) {
+          RETURN_IF_ERROR(CheckCancel(cancel));
+          const int64_t n = std::min(kFetchBytes, seg.length - at);
+          RETURN_IF_ERROR(fetcher.remote->Read(
+              step, from, seg.src, seg.src_offset + at, n, fetched.get()));
+          fetcher.fetched += n;
+          RETURN_IF_ERROR(writer.Append(fetched.get(), n));
+        }
+      } else if (seg.src.valid()) {
         // A corrupt source is never copied into a blob with a fresh
         // checksum: the materialization fails naming it.
         const StepBytes::Tensor& t = view.stored().tensor(seg.src);
@@ -194,13 +223,19 @@ int BlobIndex(ShardRecord& record, const std::string& name) {
 // stored one holds identically stays in that shard's blob (`stored`, per
 // old group); the others are added to `job`, whose header places them.
 absl::StatusOr<ShardRecord> PlanGroup(const ReshardPlan& plan, int g,
-                                      const std::vector<ShardRecord>& stored,
+                                      const std::map<int, ShardRecord>& stored,
                                       int64_t step, BlobJob& job) {
   const Placement& to = plan.to();
   const std::vector<TensorShard>& shards = to.shards(g);
+  // A stored shard identical to the new one is used in place if this host
+  // holds it; in a cluster it may be another's, and is then fetched.
+  auto in_place = [&](size_t k) {
+    ShardRef same = plan.in_place_source(g, static_cast<int>(k));
+    return same.valid() && stored.contains(same.group) ? same : ShardRef{};
+  };
   std::vector<SafetensorsEntry> entries;
   for (size_t k = 0; k < shards.size(); ++k) {
-    if (plan.in_place_source(g, static_cast<int>(k)).valid()) continue;
+    if (in_place(k).valid()) continue;
     job.shards.push_back(static_cast<int>(k));
     entries.push_back({shards[k].local_name,
                        to.model().tensor(shards[k].tensor).dtype,
@@ -216,9 +251,9 @@ absl::StatusOr<ShardRecord> PlanGroup(const ReshardPlan& plan, int g,
   job.bytes = header.file_size();
   ShardRecord record;
   for (size_t k = 0, moved = 0; k < shards.size(); ++k) {
-    ShardRef same = plan.in_place_source(g, static_cast<int>(k));
+    ShardRef same = in_place(k);
     if (same.valid()) {
-      const ShardRecord& src = stored[same.group];
+      const ShardRecord& src = stored.at(same.group);
       const ShardRecord::Location& at = src.tensors[same.shard];
       record.tensors.push_back(
           {BlobIndex(record, src.blobs[at.blob]), at.offset});
@@ -237,10 +272,21 @@ absl::StatusOr<Materialization> Materialization::Write(
     const Store& store, const ParallelConfig& config, const Options& options) {
   Materialization m;
   m.blob_dir_ = store.blob_dir();
+  m.retain_ = options.retain;
   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store.Steps());
   std::vector<std::unique_ptr<StepView>> views;
   std::vector<BlobJob> jobs;
   const std::string target = config.ToString();
+  if (options.hold) {
+    ASSIGN_OR_RETURN(Placement to,
+                     Placement::Create(store.layout(), store.model(), config));
+    for (int g : *options.hold) {
+      if (g < 0 || g >= to.num_groups()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("no shard group ", g, " in ", target, " to hold"));
+      }
+    }
+  }
   for (const StepRecord& step : steps) {
     if (step.config == target) continue;
     ASSIGN_OR_RETURN(std::unique_ptr<StepView> view,
@@ -252,23 +298,23 @@ absl::StatusOr<Materialization> Materialization::Write(
     update.after = step;  // the extra files stay as saved
     update.after.config = target;
     update.after.groups = to.num_groups();
+    update.after.held = options.hold;
     update.after.bytes = 0;
-    std::vector<ShardRecord> stored;
     for (int g = 0; g < step.groups; ++g) {
-      ASSIGN_OR_RETURN(ShardRecord record, store.Shard(step.step, g));
-      for (const std::string& name : record.blobs)
-        update.blobs_before.insert(name);
-      stored.push_back(std::move(record));
+      if (!step.holds(g)) continue;
+      ASSIGN_OR_RETURN(update.before_shards[g], store.Shard(step.step, g));
     }
-    m.bytes_planned_ += plan.Summarize().bytes_to_write;
     for (int g = 0; g < to.num_groups(); ++g) {
+      if (!update.after.holds(g)) continue;
       BlobJob job{m.steps_.size(), g, Store::NewBlobName(), {}, "", 0};
-      ASSIGN_OR_RETURN(ShardRecord record,
-                       PlanGroup(plan, g, stored, step.step, job));
+      ASSIGN_OR_RETURN(
+          ShardRecord record,
+          PlanGroup(plan, g, update.before_shards, step.step, job));
       for (const TensorShard& shard : to.shards(g))
         update.after.bytes += shard.bytes;
+      for (int k : job.shards) m.bytes_planned_ += to.shards(g)[k].bytes;
       if (!job.shards.empty()) jobs.push_back(std::move(job));
-      update.shards.push_back(std::move(record));
+      update.shards[g] = std::move(record);
     }
     m.steps_.push_back(std::move(update));
     views.push_back(std::move(view));
@@ -276,13 +322,14 @@ absl::StatusOr<Materialization> Materialization::Write(
   // From here on the destructor removes whatever was written.
   for (const BlobJob& job : jobs) m.new_blobs_[job.name] = {};
   Progress progress(m.bytes_planned_, options.progress);
+  Fetcher fetcher{options.remote};
   std::mutex mu;
   RETURN_IF_ERROR(ParallelFor(jobs.size(), IoThreads(), [&](size_t i) {
     const BlobJob& job = jobs[i];
-    ASSIGN_OR_RETURN(
-        BlobRecord blob,
-        WriteBlob(store.BlobPath(job.name), job, *views[job.step],
-                  m.steps_[job.step].after.step, progress, options.cancel));
+    ASSIGN_OR_RETURN(BlobRecord blob,
+                     WriteBlob(store.BlobPath(job.name), job, *views[job.step],
+                               m.steps_[job.step].after.step, progress, fetcher,
+                               options.cancel));
     std::lock_guard<std::mutex> lock(mu);
     m.new_blobs_[job.name] = blob;
     return absl::OkStatus();
@@ -290,6 +337,7 @@ absl::StatusOr<Materialization> Materialization::Write(
   RETURN_IF_ERROR(CheckCancel(options.cancel));
   if (!jobs.empty()) RETURN_IF_ERROR(SyncFilesystem(m.blob_dir_));
   m.bytes_written_ = progress.done();
+  m.bytes_fetched_ = fetcher.fetched.load();
   return m;
 }
 
@@ -299,7 +347,9 @@ Materialization::Materialization(Materialization&& other) noexcept
       new_blobs_(std::move(other.new_blobs_)),
       bytes_planned_(other.bytes_planned_),
       bytes_written_(other.bytes_written_),
+      bytes_fetched_(other.bytes_fetched_),
       blobs_freed_(std::move(other.blobs_freed_)),
+      retain_(other.retain_),
       committed_(other.committed_) {
   other.new_blobs_.clear();
   other.committed_ = true;
@@ -323,18 +373,30 @@ absl::Status Materialization::Commit(Store& store) {
       return absl::AbortedError(absl::StrCat(
           "step ", u.before.step, " changed while it was materialized"));
     }
-    batch.Put(Table::kSteps, StepKey(u.after.step), Store::EncodeStep(u.after));
+    StepRecord after = u.after;
+    if (retain_) {
+      after.retained.push_back({u.before.config, u.before_shards});
+    }
+    batch.Put(Table::kSteps, StepKey(after.step), Store::EncodeStep(after));
     std::set<std::string> used;
-    for (int g = 0; g < u.after.groups; ++g) {
-      batch.Put(Table::kShards, ShardKey(u.after.step, g),
-                Store::EncodeShard(u.shards[g]));
-      used.insert(u.shards[g].blobs.begin(), u.shards[g].blobs.end());
+    for (const auto& [g, shard] : u.shards) {
+      batch.Put(Table::kShards, ShardKey(after.step, g),
+                Store::EncodeShard(shard));
+      used.insert(shard.blobs.begin(), shard.blobs.end());
     }
-    for (int g = u.after.groups; g < u.before.groups; ++g) {
-      batch.Delete(Table::kShards, ShardKey(u.after.step, g));
+    for (const auto& [g, shard] : u.before_shards) {
+      if (!u.shards.contains(g))
+        batch.Delete(Table::kShards, ShardKey(after.step, g));
     }
-    for (const std::string& name : u.blobs_before) {
-      if (!used.contains(name)) freed.insert(name);
+    if (retain_) continue;  // its blobs stay until ReleaseRetained
+    for (const RetainedShards& kept : after.retained) {
+      for (const auto& [g, shard] : kept.groups)
+        used.insert(shard.blobs.begin(), shard.blobs.end());
+    }
+    for (const auto& [g, shard] : u.before_shards) {
+      for (const std::string& name : shard.blobs) {
+        if (!used.contains(name)) freed.insert(name);
+      }
     }
   }
   for (const auto& [name, blob] : new_blobs_) {

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "ptc/parallel_config.h"
 #include "transfer/parallel.h"
+#include "transfer/remote_bytes.h"
 #include "transfer/store.h"
 
 namespace scalai {
@@ -39,6 +41,13 @@ class Materialization {
     // Set by another thread to stop writing: Write then fails with
     // kCancelled and leaves no file behind.
     const std::atomic<bool>* cancel = nullptr;
+    // In a cluster: the groups of the new config this host is to hold
+    // (unset: all of them), where the bytes of stored shards it does not
+    // hold are read, and whether the shards it replaces are retained
+    // (StepRecord::retained) for peers still reading them.
+    std::optional<std::vector<int>> hold;
+    const RemoteBytes* remote = nullptr;
+    bool retain = false;
   };
 
   // Plans every step not stored under `config` and writes the bytes that
@@ -58,6 +67,8 @@ class Materialization {
   // What the reshard plans say must be written, and what was written.
   int64_t bytes_planned() const { return bytes_planned_; }
   int64_t bytes_written() const { return bytes_written_; }
+  // Of those, the bytes read from other hosts (Options::remote).
+  int64_t bytes_fetched() const { return bytes_fetched_; }
   // Blob files removed by Commit: no record names them any more.
   const std::vector<std::string>& blobs_freed() const { return blobs_freed_; }
 
@@ -72,15 +83,17 @@ class Materialization {
   struct StepUpdate {
     StepRecord before;
     StepRecord after;
-    std::vector<ShardRecord> shards;  // per group of `after`
-    std::set<std::string> blobs_before;
+    std::map<int, ShardRecord> before_shards;  // the groups `before` holds
+    std::map<int, ShardRecord> shards;         // the groups `after` holds
   };
   std::string blob_dir_;
   std::vector<StepUpdate> steps_;
   std::map<std::string, BlobRecord> new_blobs_;
   int64_t bytes_planned_ = 0;
   int64_t bytes_written_ = 0;
+  int64_t bytes_fetched_ = 0;
   std::vector<std::string> blobs_freed_;
+  bool retain_ = false;
   bool committed_ = false;
 };
 

@@ -5,7 +5,8 @@
 // what failed, for `status`.
 //
 //   PeerClient peer(cluster.hosts[1], {.host = "h0", .token = cluster.token});
-//   RETURN_IF_ERROR(peer.ReadTensor({step, "tp=2,pp=1,dp=1", 0, 3}, 0, n, buf));
+//   ASSIGN_OR_RETURN(int64_t got,
+//                    peer.ReadTensor({step, "tp=2,pp=1,dp=1", 0, 3}, 0, n, buf));
 #ifndef SCALAI_TRANSFER_PEER_CLIENT_H_
 #define SCALAI_TRANSFER_PEER_CLIENT_H_
 
@@ -47,10 +48,11 @@ class PeerClient {
 
   const ClusterHost& peer() const { return peer_; }
   absl::StatusOr<Hello> SayHello();
-  // Bytes [offset, offset + length) of `tensor` into `out`; all of them, or
-  // an error naming the peer.
-  absl::Status ReadTensor(const TensorRef& tensor, int64_t offset,
-                          int64_t length, char* out);
+  // Bytes [offset, offset + length) of `tensor` into `out`, as far as the
+  // peer holds them: returns how many it sent, the longest prefix it holds
+  // (in a cluster a host holds only some shards); an error names the peer.
+  absl::StatusOr<int64_t> ReadTensor(const TensorRef& tensor, int64_t offset,
+                                     int64_t length, char* out);
 
   // Bytes [offset, offset + length) of a file of the peer's mount into
   // `out`; returns how many there were (fewer at the file's end).

@@ -49,7 +49,9 @@ struct PeerServer::State {
   std::map<ViewKey, std::shared_ptr<const StepView>> views;
   std::deque<ViewKey> view_order;  // oldest first
 
-  absl::StatusOr<std::shared_ptr<const StepView>> ViewOf(
+  // The step seen under `config_text` through what this host holds of it:
+  // its stored shards first, then any it retained for its peers.
+  absl::StatusOr<std::vector<std::shared_ptr<const StepView>>> ViewsOf(
       int64_t step, const std::string& config_text) {
     ASSIGN_OR_RETURN(ParallelConfig config, ParallelConfig::Parse(config_text));
     ASSIGN_OR_RETURN(std::optional<StepRecord> record, store->FindStep(step));
@@ -57,23 +59,38 @@ struct PeerServer::State {
       return absl::NotFoundError(
           absl::StrCat("host ", options.host, " has no step ", step));
     }
-    ViewKey key{step, config.ToString(), record->config};
-    {
+    std::vector<std::shared_ptr<const StepView>> made;
+    for (int i = -1; i < static_cast<int>(record->retained.size()); ++i) {
+      // Keyed by what the view reads from: a materialization that stores
+      // the step anew, or a release of what it retained, makes it stale.
+      const std::string from =
+          i < 0 ? absl::StrCat("stored ", record->config)
+                : absl::StrCat("retained ", i, " ", record->retained[i].config);
+      ViewKey key{step, config.ToString(), from};
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (auto it = views.find(key); it != views.end()) {
+          made.push_back(it->second);
+          continue;
+        }
+      }
+      absl::StatusOr<std::unique_ptr<StepView>> view =
+          i < 0 ? StepView::Create(*store, *record, config)
+                : StepView::CreateRetained(*store, step, record->retained[i],
+                                           config);
+      RETURN_IF_ERROR(view.status());
+      std::shared_ptr<const StepView> shared = std::move(*view);
+      made.push_back(shared);
       std::lock_guard<std::mutex> lock(mu);
-      if (auto it = views.find(key); it != views.end()) return it->second;
-    }
-    ASSIGN_OR_RETURN(std::unique_ptr<StepView> made,
-                     StepView::Create(*store, *record, config));
-    std::shared_ptr<const StepView> view = std::move(made);
-    std::lock_guard<std::mutex> lock(mu);
-    if (views.emplace(key, view).second) {
-      view_order.push_back(key);
-      if (view_order.size() > kMaxViews) {
-        views.erase(view_order.front());
-        view_order.pop_front();
+      if (views.emplace(key, shared).second) {
+        view_order.push_back(key);
+        if (view_order.size() > kMaxViews) {
+          views.erase(view_order.front());
+          view_order.pop_front();
+        }
       }
     }
-    return view;
+    return made;
   }
 
   // The caller's name if it presented the job's token; else the refusal,
@@ -120,10 +137,10 @@ class PeerServer::Service final : public peer::Peer::Service {
     if (grpc::Status admitted = s_.Admit(*ctx, &caller); !admitted.ok()) {
       return admitted;
     }
-    absl::StatusOr<std::shared_ptr<const StepView>> view =
-        s_.ViewOf(request->step(), request->config());
-    if (!view.ok()) return s_.Fail(view.status());
-    const Placement& placement = (*view)->placement();
+    absl::StatusOr<std::vector<std::shared_ptr<const StepView>>> views =
+        s_.ViewsOf(request->step(), request->config());
+    if (!views.ok()) return s_.Fail(views.status());
+    const Placement& placement = views->front()->placement();
     const int group = request->group();
     const int shard = request->shard();
     if (group < 0 || group >= placement.num_groups() || shard < 0 ||
@@ -138,23 +155,38 @@ class PeerServer::Service final : public peer::Peer::Service {
       return s_.Fail(absl::OutOfRangeError(absl::StrCat(
           "bytes [", offset, ", +", length, ") of a ", size, "-byte tensor")));
     }
+    // The longest prefix of the range this host holds, in chunks: each
+    // chunk is read from whichever of its views holds the next bytes.
     std::string buffer;
     peer::Chunk chunk;
-    for (int64_t at = 0; at < length; at += kChunkBytes) {
+    for (int64_t at = 0; at < length;) {
       if (ctx->IsCancelled()) {
         return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
       }
       const int64_t n = std::min(kChunkBytes, length - at);
       buffer.resize(static_cast<size_t>(n));
-      absl::Status read =
-          (*view)->ReadTensor(group, shard, offset + at, n, buffer.data());
-      if (!read.ok()) return s_.Fail(read);
-      chunk.set_data(buffer);
-      if (!writer->Write(chunk)) {
-        return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
+      int64_t held = 0;
+      for (bool more = true; more && held < n;) {
+        more = false;
+        for (const std::shared_ptr<const StepView>& view : *views) {
+          absl::StatusOr<int64_t> read = view->ReadHeldPrefix(
+              group, shard, offset + at + held, n - held, buffer.data() + held);
+          if (!read.ok()) return s_.Fail(read.status());
+          held += *read;
+          more |= *read > 0;
+          if (held == n) break;
+        }
       }
-      std::lock_guard<std::mutex> lock(s_.mu);
-      s_.counters.bytes_served[caller] += n;
+      if (held > 0) {
+        chunk.set_data(buffer.data(), static_cast<size_t>(held));
+        if (!writer->Write(chunk)) {
+          return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
+        }
+        std::lock_guard<std::mutex> lock(s_.mu);
+        s_.counters.bytes_served[caller] += held;
+      }
+      if (held < n) break;  // holds no more: the caller asks another host
+      at += n;
     }
     return grpc::Status::OK;
   }

@@ -31,6 +31,15 @@ class StepBytes {
   static absl::StatusOr<StepBytes> Load(const Store& store,
                                         const StepRecord& step,
                                         const Placement& placement);
+  // The shards a step retained (StepRecord::retained), under `placement`,
+  // the placement of `kept.config`.
+  static absl::StatusOr<StepBytes> LoadRetained(const Store& store,
+                                                int64_t step,
+                                                const RetainedShards& kept,
+                                                const Placement& placement);
+
+  // Whether this store holds the group's shards.
+  bool holds(int group) const { return held_[group]; }
 
   // A stored tensor: mapped, and as a blob and offset for copies that stay
   // inside the kernel (BlobReader::OpenFd). Bytes may be used only after
@@ -50,13 +59,19 @@ class StepBytes {
       return blob->VerifyChunks(offset + at, length);
     }
   };
+  // Only for a group it holds().
   const Tensor& tensor(ShardRef ref) const {
     return tensors_[ref.group][ref.shard];
   }
 
  private:
+  // Adds group `g` as `record` locates it, or as not held when null.
+  absl::Status AddGroup(const Store& store, int64_t step, int g,
+                        const ShardRecord* record, const Placement& placement);
+
   std::map<std::string, std::shared_ptr<const BlobReader>> blobs_;
   std::vector<std::vector<Tensor>> tensors_;  // [group][shard]
+  std::vector<bool> held_;                    // [group]
 };
 
 }  // namespace scalai

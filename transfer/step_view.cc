@@ -2,29 +2,57 @@
 
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
 #include "transfer/mapping_guard.h"
 
 namespace scalai {
+namespace {
 
-absl::StatusOr<std::unique_ptr<StepView>> StepView::Create(
-    const Store& store, const StepRecord& step, const ParallelConfig& config) {
-  ASSIGN_OR_RETURN(std::shared_ptr<const Placement> from,
-                   store.StepPlacement(step));
+// The plan reads what this host holds (`held`) wherever it can.
+absl::StatusOr<ReshardPlan> PlanTo(
+    const Store& store, std::shared_ptr<const Placement> from,
+    const ParallelConfig& config, const std::optional<std::vector<int>>& held) {
   ASSIGN_OR_RETURN(Placement to,
                    Placement::Create(store.layout(), store.model(), config));
-  ASSIGN_OR_RETURN(ReshardPlan plan,
-                   ReshardPlan::Create(
-                       from, std::make_shared<const Placement>(std::move(to))));
+  return ReshardPlan::Create(
+      std::move(from), std::make_shared<const Placement>(std::move(to)), held);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StepView>> StepView::Create(
+    const Store& store, const StepRecord& step, const ParallelConfig& config,
+    const RemoteBytes* remote) {
+  ASSIGN_OR_RETURN(std::shared_ptr<const Placement> from,
+                   store.StepPlacement(step));
+  ASSIGN_OR_RETURN(ReshardPlan plan, PlanTo(store, from, config, step.held));
   ASSIGN_OR_RETURN(StepBytes bytes, StepBytes::Load(store, step, *from));
   return std::unique_ptr<StepView>(
-      new StepView(step.step, std::move(plan), std::move(bytes)));
+      new StepView(step.step, std::move(plan), std::move(bytes), remote));
+}
+
+absl::StatusOr<std::unique_ptr<StepView>> StepView::CreateRetained(
+    const Store& store, int64_t step, const RetainedShards& kept,
+    const ParallelConfig& config) {
+  StepRecord as_stored;
+  as_stored.step = step;
+  as_stored.config = kept.config;
+  ASSIGN_OR_RETURN(std::shared_ptr<const Placement> from,
+                   store.StepPlacement(as_stored));
+  std::vector<int> held;
+  for (const auto& [g, shard] : kept.groups) held.push_back(g);
+  ASSIGN_OR_RETURN(ReshardPlan plan, PlanTo(store, from, config, held));
+  ASSIGN_OR_RETURN(StepBytes bytes,
+                   StepBytes::LoadRetained(store, step, kept, *from));
+  return std::unique_ptr<StepView>(
+      new StepView(step, std::move(plan), std::move(bytes), nullptr));
 }
 
 absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
                                   int64_t length, char* out) const {
   ShardRef same = plan_.in_place_source(group, shard);
-  if (same.valid()) {
+  if (same.valid() && bytes_.holds(same.group)) {
     const StepBytes::Tensor& t = bytes_.tensor(same);
     RETURN_IF_ERROR(t.Verify(offset, length));
     if (!ReadMapped([&] { std::memcpy(out, t.data + offset, length); })) {
@@ -32,23 +60,48 @@ absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
     }
     return absl::OkStatus();
   }
+  return ReadSegments(group, shard, offset, length, out, /*held_only=*/false)
+      .status();
+}
+
+absl::StatusOr<int64_t> StepView::ReadHeldPrefix(int group, int shard,
+                                                 int64_t offset, int64_t length,
+                                                 char* out) const {
+  return ReadSegments(group, shard, offset, length, out, /*held_only=*/true);
+}
+
+absl::StatusOr<int64_t> StepView::ReadSegments(int group, int shard,
+                                               int64_t offset, int64_t length,
+                                               char* out,
+                                               bool held_only) const {
   ASSIGN_OR_RETURN(std::vector<Segment> segments,
                    plan_.Resolve(group, shard, offset, length));
   UnchangedBlobs unchanged;
   for (const Segment& seg : segments) {
     char* dst = out + (seg.dst_offset - offset);
-    if (seg.src.valid()) {
+    if (!seg.src.valid()) {
+      std::memset(dst, 0, seg.length);
+    } else if (bytes_.holds(seg.src.group)) {
       const StepBytes::Tensor& t = bytes_.tensor(seg.src);
       RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length, unchanged));
       if (!ReadMapped(
               [&] { std::memcpy(dst, t.data + seg.src_offset, seg.length); })) {
         return t.blob->CutShort();
       }
+    } else if (held_only) {
+      return seg.dst_offset - offset;
+    } else if (remote_ != nullptr) {
+      RETURN_IF_ERROR(remote_->Read(step_, plan_.from().config().ToString(),
+                                    seg.src, seg.src_offset, seg.length, dst));
     } else {
-      std::memset(dst, 0, seg.length);
+      const TensorShard& s = plan_.from().shards(seg.src.group)[seg.src.shard];
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", step_, ": ", s.local_name, " of shard group ",
+                       seg.src.group, " of ", plan_.from().config().ToString(),
+                       " is held by another host"));
     }
   }
-  return absl::OkStatus();
+  return length;
 }
 
 }  // namespace scalai

@@ -15,6 +15,7 @@
 #include "ptc/parallel_config.h"
 #include "ptc/placement.h"
 #include "ptc/reshard_plan.h"
+#include "transfer/remote_bytes.h"
 #include "transfer/step_bytes.h"
 #include "transfer/store.h"
 
@@ -22,8 +23,14 @@ namespace scalai {
 
 class StepView {
  public:
+  // `remote`, when given, outlives the view.
   static absl::StatusOr<std::unique_ptr<StepView>> Create(
-      const Store& store, const StepRecord& step, const ParallelConfig& config);
+      const Store& store, const StepRecord& step, const ParallelConfig& config,
+      const RemoteBytes* remote = nullptr);
+  // A view of shards the step retained (StepRecord::retained), local only.
+  static absl::StatusOr<std::unique_ptr<StepView>> CreateRetained(
+      const Store& store, int64_t step, const RetainedShards& kept,
+      const ParallelConfig& config);
 
   int64_t step() const { return step_; }
   // The placement of the view's config.
@@ -36,13 +43,26 @@ class StepView {
   // Bytes [offset, offset + length) of placement().shards(group)[shard].
   absl::Status ReadTensor(int group, int shard, int64_t offset, int64_t length,
                           char* out) const;
+  // The same, but only as far as this host holds the bytes: reads the
+  // longest such prefix and returns its length (what a peer serves).
+  absl::StatusOr<int64_t> ReadHeldPrefix(int group, int shard, int64_t offset,
+                                         int64_t length, char* out) const;
 
  private:
-  StepView(int64_t step, ReshardPlan plan, StepBytes bytes)
-      : step_(step), plan_(std::move(plan)), bytes_(std::move(bytes)) {}
+  StepView(int64_t step, ReshardPlan plan, StepBytes bytes,
+           const RemoteBytes* remote)
+      : step_(step),
+        plan_(std::move(plan)),
+        bytes_(std::move(bytes)),
+        remote_(remote) {}
+  // Reads the segments in order while `held` allows; returns bytes read.
+  absl::StatusOr<int64_t> ReadSegments(int group, int shard, int64_t offset,
+                                       int64_t length, char* out,
+                                       bool held_only) const;
   int64_t step_;
   ReshardPlan plan_;
   StepBytes bytes_;
+  const RemoteBytes* remote_;  // null: held shards only
 };
 
 }  // namespace scalai

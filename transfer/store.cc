@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <random>
 #include <set>
@@ -220,6 +221,60 @@ absl::Status Store::CheckPosition(int64_t consumed_samples) const {
   return absl::OkStatus();
 }
 
+namespace {
+
+absl::StatusOr<ShardRecord> DecodeShard(const json& j,
+                                        const std::string& what) {
+  ShardRecord shard;
+  if (!j.is_object() || !j.contains("blobs") || !j["blobs"].is_array() ||
+      !j.contains("tensors") || !j["tensors"].is_array()) {
+    return Corrupt(what);
+  }
+  for (const json& b : j["blobs"]) {
+    if (!b.is_string()) return Corrupt(what);
+    shard.blobs.push_back(b.get<std::string>());
+  }
+  for (const json& t : j["tensors"]) {
+    if (!t.is_array() || t.size() != 2 || !t[0].is_number_integer() ||
+        !t[1].is_number_integer()) {
+      return Corrupt(what);
+    }
+    ShardRecord::Location loc{t[0].get<int>(), t[1].get<int64_t>()};
+    if (loc.blob < 0 || loc.blob >= static_cast<int>(shard.blobs.size()) ||
+        loc.offset < 0) {
+      return Corrupt(what);
+    }
+    shard.tensors.push_back(loc);
+  }
+  return shard;
+}
+
+json ShardJson(const ShardRecord& shard) {
+  json tensors = json::array();
+  for (const ShardRecord::Location& loc : shard.tensors)
+    tensors.push_back({loc.blob, loc.offset});
+  return json{{"blobs", shard.blobs}, {"tensors", tensors}};
+}
+
+// The groups list of a step record ("held"): distinct, each below `groups`.
+absl::StatusOr<std::vector<int>> DecodeHeld(const json& j, int groups,
+                                            const std::string& what) {
+  std::vector<int> held;
+  if (!j.is_array()) return Corrupt(what);
+  for (const json& g : j) {
+    if (!g.is_number_integer()) return Corrupt(what);
+    const int group = g.get<int>();
+    if (group < 0 || group >= groups ||
+        (!held.empty() && group <= held.back())) {
+      return Corrupt(what);
+    }
+    held.push_back(group);
+  }
+  return held;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<StepRecord>> Store::Steps() const {
   ASSIGN_OR_RETURN(auto records, catalog_->Scan(Table::kSteps));
   std::vector<StepRecord> steps;
@@ -236,6 +291,28 @@ absl::StatusOr<std::vector<StepRecord>> Store::Steps() const {
     step.config = j["config"].get<std::string>();
     step.groups = j["groups"].get<int>();
     step.bytes = j["bytes"].get<int64_t>();
+    if (step.groups < 0) return Corrupt(what);
+    if (j.contains("held")) {
+      ASSIGN_OR_RETURN(step.held, DecodeHeld(j["held"], step.groups, what));
+    }
+    if (j.contains("retained")) {
+      if (!j["retained"].is_array()) return Corrupt(what);
+      for (const json& r : j["retained"]) {
+        RetainedShards kept;
+        if (!r.is_object() || !r.contains("config") ||
+            !r["config"].is_string() || !r.contains("groups") ||
+            !r["groups"].is_object()) {
+          return Corrupt(what);
+        }
+        kept.config = r["config"].get<std::string>();
+        for (const auto& [group, shard] : r["groups"].items()) {
+          int g = -1;
+          if (!absl::SimpleAtoi(group, &g) || g < 0) return Corrupt(what);
+          ASSIGN_OR_RETURN(kept.groups[g], DecodeShard(shard, what));
+        }
+        step.retained.push_back(std::move(kept));
+      }
+    }
     if (j.contains("consumed_samples")) {
       if (!j["consumed_samples"].is_number_integer()) return Corrupt(what);
       step.consumed_samples = j["consumed_samples"].get<int64_t>();
@@ -281,6 +358,10 @@ absl::StatusOr<StepRecord> Store::ResolveStep(
       absl::StrCat("store ", dir_, " has no step ", *step));
 }
 
+bool StepRecord::holds(int group) const {
+  return !held || std::binary_search(held->begin(), held->end(), group);
+}
+
 absl::StatusOr<ShardRecord> Store::Shard(int64_t step, int group) const {
   std::string what = absl::StrCat("step ", step, " group ", group);
   ASSIGN_OR_RETURN(std::optional<std::string> value,
@@ -289,28 +370,7 @@ absl::StatusOr<ShardRecord> Store::Shard(int64_t step, int group) const {
     return absl::DataLossError(
         absl::StrCat("catalog record ", what, " is missing"));
   ASSIGN_OR_RETURN(json j, ParseRecord(*value, what));
-  ShardRecord shard;
-  if (!j.contains("blobs") || !j["blobs"].is_array() ||
-      !j.contains("tensors") || !j["tensors"].is_array()) {
-    return Corrupt(what);
-  }
-  for (const json& b : j["blobs"]) {
-    if (!b.is_string()) return Corrupt(what);
-    shard.blobs.push_back(b.get<std::string>());
-  }
-  for (const json& t : j["tensors"]) {
-    if (!t.is_array() || t.size() != 2 || !t[0].is_number_integer() ||
-        !t[1].is_number_integer()) {
-      return Corrupt(what);
-    }
-    ShardRecord::Location loc{t[0].get<int>(), t[1].get<int64_t>()};
-    if (loc.blob < 0 || loc.blob >= static_cast<int>(shard.blobs.size()) ||
-        loc.offset < 0) {
-      return Corrupt(what);
-    }
-    shard.tensors.push_back(loc);
-  }
-  return shard;
+  return DecodeShard(j, what);
 }
 
 namespace {
@@ -396,26 +456,49 @@ absl::Status Store::AddChunkSums(std::map<std::string, BlobRecord> blobs) {
   return catalog_->Commit(batch);
 }
 
+namespace {
+
+// Every blob that `step`'s records name.
+absl::Status AddBlobsOf(const Store& store, const StepRecord& step,
+                        std::set<std::string>& uses) {
+  for (int g = 0; g < step.groups; ++g) {
+    if (!step.holds(g)) continue;
+    ASSIGN_OR_RETURN(ShardRecord shard, store.Shard(step.step, g));
+    uses.insert(shard.blobs.begin(), shard.blobs.end());
+  }
+  for (const RetainedShards& kept : step.retained) {
+    for (const auto& [g, shard] : kept.groups)
+      uses.insert(shard.blobs.begin(), shard.blobs.end());
+  }
+  for (const std::string& blob : step.ExtraBlobs()) uses.insert(blob);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::set<std::string>> Store::BlobsInUse() const {
+  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
+  std::set<std::string> uses;
+  for (const StepRecord& s : steps) RETURN_IF_ERROR(AddBlobsOf(*this, s, uses));
+  return uses;
+}
+
 absl::Status Store::DeleteStep(int64_t step) {
   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
   std::set<std::string> mine, others;
   bool found = false;
   for (const StepRecord& s : steps) {
     found |= s.step == step;
-    std::set<std::string>& uses = s.step == step ? mine : others;
-    for (int g = 0; g < s.groups; ++g) {
-      ASSIGN_OR_RETURN(ShardRecord shard, Shard(s.step, g));
-      uses.insert(shard.blobs.begin(), shard.blobs.end());
-    }
-    for (const std::string& blob : s.ExtraBlobs()) uses.insert(blob);
+    RETURN_IF_ERROR(AddBlobsOf(*this, s, s.step == step ? mine : others));
   }
   if (!found) return absl::NotFoundError(absl::StrCat("no step ", step));
   Catalog::Batch batch;
   batch.Delete(Table::kSteps, StepKey(step));
   for (const StepRecord& s : steps) {
     if (s.step != step) continue;
-    for (int g = 0; g < s.groups; ++g)
-      batch.Delete(Table::kShards, ShardKey(step, g));
+    for (int g = 0; g < s.groups; ++g) {
+      if (s.holds(g)) batch.Delete(Table::kShards, ShardKey(step, g));
+    }
   }
   std::vector<std::string> freed;
   for (const std::string& blob : mine) {
@@ -427,6 +510,38 @@ absl::Status Store::DeleteStep(int64_t step) {
   // A crash here leaves orphans, which the next open removes.
   for (const std::string& blob : freed) unlink(BlobPath(blob).c_str());
   return absl::OkStatus();
+}
+
+absl::StatusOr<int> Store::ReleaseRetained() {
+  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
+  if (std::none_of(steps.begin(), steps.end(),
+                   [](const StepRecord& s) { return !s.retained.empty(); })) {
+    return 0;
+  }
+  std::set<std::string> before, after;
+  Catalog::Batch batch;
+  for (StepRecord& s : steps) {
+    RETURN_IF_ERROR(AddBlobsOf(*this, s, before));
+    if (s.retained.empty()) {
+      RETURN_IF_ERROR(AddBlobsOf(*this, s, after));
+      continue;
+    }
+    s.retained.clear();
+    RETURN_IF_ERROR(AddBlobsOf(*this, s, after));
+    batch.Put(Table::kSteps, StepKey(s.step), EncodeStep(s));
+  }
+  std::vector<std::string> freed;
+  for (const std::string& blob : before) {
+    if (after.contains(blob)) continue;
+    batch.Delete(Table::kBlobs, blob);
+    freed.push_back(blob);
+  }
+  RETURN_IF_ERROR(catalog_->Commit(batch));
+  int removed = 0;
+  for (const std::string& blob : freed)
+    removed += unlink(BlobPath(blob).c_str()) == 0 ? 1 : 0;
+  if (removed > 0) RETURN_IF_ERROR(SyncDir(blob_dir()));
+  return removed;
 }
 
 absl::StatusOr<std::map<std::string, DatasetRecord>> Store::Datasets() const {
@@ -511,6 +626,17 @@ std::string Store::EncodeStep(const StepRecord& step) {
   json j = {
       {"config", step.config}, {"groups", step.groups}, {"bytes", step.bytes}};
   if (step.consumed_samples) j["consumed_samples"] = *step.consumed_samples;
+  if (step.held) j["held"] = *step.held;
+  if (!step.retained.empty()) {
+    json retained = json::array();
+    for (const RetainedShards& kept : step.retained) {
+      json groups = json::object();
+      for (const auto& [g, shard] : kept.groups)
+        groups[std::to_string(g)] = ShardJson(shard);
+      retained.push_back({{"config", kept.config}, {"groups", groups}});
+    }
+    j["retained"] = retained;
+  }
   if (!step.extra.empty()) {
     json extra = json::object();
     for (const auto& [rank, files] : step.extra) {
@@ -547,10 +673,7 @@ std::vector<std::string> StepRecord::ExtraBlobs() const {
 }
 
 std::string Store::EncodeShard(const ShardRecord& shard) {
-  json tensors = json::array();
-  for (const ShardRecord::Location& loc : shard.tensors)
-    tensors.push_back({loc.blob, loc.offset});
-  return json{{"blobs", shard.blobs}, {"tensors", tensors}}.dump();
+  return ShardJson(shard).dump();
 }
 
 std::string Store::EncodeBlob(const BlobRecord& blob) {

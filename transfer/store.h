@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -35,30 +36,6 @@ struct ExtraFile {
   int64_t size = 0;
 };
 
-// A committed step: the config its shards are stored under, or "full" for an
-// unsharded model stored once.
-struct StepRecord {
-  int64_t step = 0;
-  std::string config;
-  int groups = 0;
-  int64_t bytes = 0;  // tensor bytes of all stored shards
-  // `scalai.consumed_samples` of rank 0's shard, when it had one: where the
-  // job stands in its data (docs/reference.md).
-  std::optional<int64_t> consumed_samples;
-  // The extra/ files of each rank that saved some, by its rank under
-  // `extra_config`, the config the step was saved under. Materializing the
-  // shards under another config leaves these as they are.
-  std::string extra_config;
-  std::map<int, std::vector<ExtraFile>> extra;
-  bool full() const { return config == "full"; }
-  // Every blob the step's extra files use.
-  std::vector<std::string> ExtraBlobs() const;
-  // The extra files that rank `rank` of `config` sees (ExtraSourceRank);
-  // empty when no saved rank it maps to saved any.
-  absl::StatusOr<std::vector<ExtraFile>> ExtraFilesSeenBy(
-      const ParallelConfig& config, int rank) const;
-};
-
 // Where the tensors of one stored shard group lie: tensor k of the group's
 // placement shards sits at byte `offset` of blob `blobs[blob]`.
 struct ShardRecord {
@@ -68,6 +45,45 @@ struct ShardRecord {
   };
   std::vector<std::string> blobs;
   std::vector<Location> tensors;
+};
+
+// The shards of a step as this host stored them before its last
+// materialization in a cluster: kept, and served to peers that may still
+// read them, until every host has recorded that it finished (ReleaseRetained).
+struct RetainedShards {
+  std::string config;
+  std::map<int, ShardRecord> groups;  // the groups of `config` held
+};
+
+// A committed step: the config its shards are stored under, or "full" for an
+// unsharded model stored once.
+struct StepRecord {
+  int64_t step = 0;
+  std::string config;
+  int groups = 0;
+  // In a cluster, the groups of `config` whose shards this store holds, in
+  // order; the other hosts hold the rest. Unset: every group.
+  std::optional<std::vector<int>> held;
+  bool holds(int group) const;
+  int64_t bytes = 0;  // tensor bytes of all stored shards
+  // `scalai.consumed_samples` of rank 0's shard, when it had one: where the
+  // job stands in its data (docs/reference.md).
+  std::optional<int64_t> consumed_samples;
+  // The extra/ files of each rank that saved some, by its rank under
+  // `extra_config`, the config the step was saved under. Materializing the
+  // shards under another config leaves these as they are.
+  std::string extra_config;
+  std::map<int, std::vector<ExtraFile>> extra;
+  // Earlier holdings kept for peers until the cluster finished moving off
+  // them, oldest first.
+  std::vector<RetainedShards> retained;
+  bool full() const { return config == "full"; }
+  // Every blob the step's extra files use.
+  std::vector<std::string> ExtraBlobs() const;
+  // The extra files that rank `rank` of `config` sees (ExtraSourceRank);
+  // empty when no saved rank it maps to saved any.
+  absl::StatusOr<std::vector<ExtraFile>> ExtraFilesSeenBy(
+      const ParallelConfig& config, int rank) const;
 };
 
 // A blob file: its size and the XXH3 of each of its chunks
@@ -164,6 +180,12 @@ class Store {
   // Removes a step: its records, and the blobs no other step uses (their
   // files after the catalog commit).
   absl::Status DeleteStep(int64_t step);
+  // Forgets every step's retained shards and removes the blobs nothing else
+  // uses; returns how many blob files went.
+  absl::StatusOr<int> ReleaseRetained();
+  // Every blob some record of some step names (shards held, retained
+  // shards, extra files).
+  absl::StatusOr<std::set<std::string>> BlobsInUse() const;
   // Every registered dataset, by name.
   absl::StatusOr<std::map<std::string, DatasetRecord>> Datasets() const;
   // Makes `config` the store's current one once it is known to serve the
