@@ -1,5 +1,7 @@
 #include "fs/cluster_member.h"
 
+#include <algorithm>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -76,6 +78,23 @@ absl::Status ClusterMember::Start() {
         absl::StrCat("etcd lost the cluster's config key ", Key("config")));
   }
   ASSIGN_OR_RETURN(Agreed agreed, ParseAgreed(kv->value));
+  // The peers, before any view of the cluster's config is built: those
+  // views read what this host does not hold through them.
+  PeerClient::Options calls;
+  calls.host = host_;
+  calls.token = cluster_.token;
+  calls.tls = cluster_.tls;
+  for (const ClusterHost& h : cluster_.hosts) {
+    if (h.name == host_) continue;
+    calls.deadline = kPeerCheck;
+    peers_by_name_[h.name].client = std::make_unique<PeerClient>(h, calls);
+    calls.deadline = kPeerBytesDeadline;
+    peers_by_name_[h.name].data = std::make_unique<PeerClient>(h, calls);
+  }
+  remote_ = std::make_unique<PeerBytes>([this] { return PeersForBytes(); });
+  RETURN_IF_ERROR(job_.SetHolding(
+      {[this](const ParallelConfig& c) { return HeldGroups(c); },
+       remote_.get()}));
   if (absl::Status s = job_.ApplyAgreed(agreed.config); !s.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("host ", host_, " cannot serve the cluster's config ",
@@ -103,16 +122,6 @@ absl::Status ClusterMember::Start() {
   job_.SetAgreement(
       [this](const ParallelConfig& config) { return Propose(config); });
   job_.SetStatusSection("cluster", [this] { return StatusSection(); });
-  PeerClient::Options calls;
-  calls.host = host_;
-  calls.token = cluster_.token;
-  calls.tls = cluster_.tls;
-  calls.deadline = kPeerCheck;
-  for (const ClusterHost& h : cluster_.hosts) {
-    if (h.name != host_) {
-      peers_by_name_[h.name].client = std::make_unique<PeerClient>(h, calls);
-    }
-  }
   RecordProgress();
   ReadCluster();
   beat_ = std::thread([this] { Beat(); });
@@ -123,6 +132,8 @@ absl::Status ClusterMember::Start() {
 ClusterMember::~ClusterMember() {
   job_.SetAgreement(nullptr);
   job_.SetStatusSection("", nullptr);
+  // The peers go with this member: the job stops reading through them.
+  if (remote_ != nullptr) (void)job_.SetHolding({});
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -305,8 +316,61 @@ void ClusterMember::Beat() {
     if (s.ok()) {
       RecordProgress();
       ReadCluster();
+      ReleaseWhenAllFinished();
     }
   }
+}
+
+std::optional<std::vector<int>> ClusterMember::HeldGroups(
+    const ParallelConfig& config) const {
+  if (config.hosts().empty()) return std::nullopt;
+  std::set<int> groups;
+  for (int rank = 0; rank < config.world_size(); ++rank) {
+    if (config.hosts()[config.HostOfRank(rank)] == host_)
+      groups.insert(config.ShardGroup(rank));
+  }
+  return std::vector<int>(groups.begin(), groups.end());
+}
+
+std::vector<PeerClient*> ClusterMember::PeersForBytes() {
+  std::vector<PeerClient*> answered, others;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [name, peer] : peers_by_name_)
+    (peer.answered ? answered : others).push_back(peer.data.get());
+  answered.insert(answered.end(), others.begin(), others.end());
+  return answered;
+}
+
+void ClusterMember::ReleaseWhenAllFinished() {
+  const Job::Progress mine = job_.progress();
+  if (mine.state != "ready" || mine.config == released_for_) return;
+  absl::StatusOr<ParallelConfig> config = ParallelConfig::Parse(mine.config);
+  if (!config.ok()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const nlohmann::json& h : hosts_) {
+      const std::string name = h.value("name", "");
+      const bool named =
+          std::find(config->hosts().begin(), config->hosts().end(), name) !=
+          config->hosts().end();
+      const bool live = h.value("live", false);
+      // A host the config runs ranks on must have finished, live; any
+      // other live host too (it may still read from the retained shards).
+      if (!named && !live) continue;
+      if (name == host_) continue;
+      if (!live || h.value("config", "") != mine.config ||
+          h.value("state", "") != "ready") {
+        return;
+      }
+    }
+  }
+  absl::StatusOr<int> released = job_.ReleaseRetained();
+  if (!released.ok()) {
+    job_.ReportError(absl::StrCat("releasing the shards kept for peers: ",
+                                  released.status().message()));
+    return;
+  }
+  released_for_ = mine.config;
 }
 
 void ClusterMember::CheckPeers() {
@@ -441,10 +505,12 @@ nlohmann::json ClusterMember::StatusSection() {
   // Each other host as this one last reached it.
   nlohmann::json peers = nlohmann::json::object();
   for (const auto& [name, peer] : peers_by_name_) {
-    peers[name] = {{"reachable", peer.answered},
-                   {"error", nullptr},
-                   {"calls_failed", peer.client->errors()},
-                   {"bytes_fetched", peer.client->bytes_fetched()}};
+    peers[name] = {
+        {"reachable", peer.answered},
+        {"error", nullptr},
+        {"calls_failed", peer.client->errors() + peer.data->errors()},
+        {"bytes_fetched",
+         peer.client->bytes_fetched() + peer.data->bytes_fetched()}};
     if (!peer.error.empty()) peers[name]["error"] = peer.error;
   }
   j["peers"] = std::move(peers);

@@ -22,12 +22,14 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "fs/job.h"
 #include "nlohmann/json.hpp"
 #include "transfer/cluster_file.h"
 #include "transfer/etcd_client.h"
+#include "transfer/peer_bytes.h"
 #include "transfer/peer_client.h"
 #include "transfer/peer_server.h"
 
@@ -43,6 +45,8 @@ class ClusterMember {
   // How often every peer is called, and how long each call may take: a
   // peer that does not answer in time is shown unreachable.
   static constexpr absl::Duration kPeerCheck = absl::Seconds(1);
+  // How long one read of bytes from a peer (up to a few MiB) may take.
+  static constexpr absl::Duration kPeerBytesDeadline = absl::Seconds(20);
 
   // Joins the job as host `host`: the cluster's config, when there is one,
   // becomes this host's (refused, naming why, if its store cannot serve
@@ -75,6 +79,16 @@ class ClusterMember {
   void Beat();
   void RecordProgress();
   void ReadCluster();
+  // Once every host the cluster's config needs is live and has finished
+  // materializing it, the shards kept for peers are released.
+  void ReleaseWhenAllFinished();
+  // The groups of `config` this host holds: those of its ranks, or all
+  // when the config names no hosts.
+  std::optional<std::vector<int>> HeldGroups(
+      const ParallelConfig& config) const;
+  // The peers to read bytes from: those that answered the last check
+  // first.
+  std::vector<PeerClient*> PeersForBytes();
   // Calls every other host (Hello) on its own thread, so that a silent peer
   // never delays the lease.
   void CheckPeers();
@@ -104,15 +118,18 @@ class ClusterMember {
   int64_t bytes_held_ = 0;
   std::string bytes_held_key_;
   std::unique_ptr<EtcdClient::Watch> watch_;
-  // The other hosts: a client each (used by the check thread and, later,
-  // the data plane; thread-safe) and what the last check found.
+  // The other hosts: a client each for the checks and one for bytes (with
+  // a longer deadline; both thread-safe), and what the last check found.
   struct Peer {
     std::unique_ptr<PeerClient> client;
+    std::unique_ptr<PeerClient> data;
     bool answered = false;
     // Of the last check; empty when it answered.
     std::string error = "not called yet";
   };
   std::map<std::string, Peer> peers_by_name_;
+  std::unique_ptr<PeerBytes> remote_;  // over the peers' data clients
+  std::string released_for_;  // the config last released for; beat only
 
   std::mutex propose_mu_;  // one proposal at a time from this host
   std::atomic<bool> stopping_{false};

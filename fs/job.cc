@@ -152,7 +152,8 @@ absl::Status Job::Change(const ParallelConfig& config, bool agree) {
       // Built before anyone else is asked: a config this store cannot serve
       // is refused here, and agreed nowhere.
       ASSIGN_OR_RETURN(next,
-                       Tree::Build(store_, config, current_->generation() + 1));
+                       Tree::Build(store_, config, current_->generation() + 1,
+                                   holding_.remote));
       base = current_;
       if (agree) agreement = agreement_;
     }
@@ -166,7 +167,8 @@ absl::Status Job::Change(const ParallelConfig& config, bool agree) {
       // committed): the tree is built again from the records as they are.
       RETURN_IF_ERROR(CheckGenerationLocked());
       ASSIGN_OR_RETURN(next,
-                       Tree::Build(store_, config, current_->generation() + 1));
+                       Tree::Build(store_, config, current_->generation() + 1,
+                                   holding_.remote));
     }
     RETURN_IF_ERROR(store_.SetCurrentConfig(config));
     retired = SwitchLocked(std::shared_ptr<const Tree>(std::move(next)));
@@ -213,9 +215,9 @@ absl::Status Job::PublishStep(int64_t step) {
     RETURN_IF_ERROR(saves_->Commit(step));
     ApplyRetentionLocked();
     RETURN_IF_ERROR(CheckGenerationLocked());
-    ASSIGN_OR_RETURN(
-        std::unique_ptr<Tree> next,
-        Tree::Build(store_, current_->config(), current_->generation() + 1));
+    ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
+                     Tree::Build(store_, current_->config(),
+                                 current_->generation() + 1, holding_.remote));
     retired = SwitchLocked(std::shared_ptr<const Tree>(std::move(next)));
     // A step saved under an earlier config is materialized like the rest.
     absl::StatusOr<std::optional<StepRecord>> record = store_.FindStep(step);
@@ -238,6 +240,12 @@ void Job::Materialize(const ParallelConfig& target,
                       const std::atomic<bool>& cancel) {
   Materialization::Options options;
   options.cancel = &cancel;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (holding_.groups) options.hold = holding_.groups(target);
+    options.remote = holding_.remote;
+    options.retain = holding_.remote != nullptr;
+  }
   options.progress = [this, &cancel](int64_t done, int64_t total) {
     if (cancel.load()) return;  // the newer worker owns the counters
     to_move_ = total;
@@ -277,6 +285,32 @@ void Job::Materialize(const ParallelConfig& target,
     error_ = absl::StrCat("materialization of ", target.ToString(),
                           " failed: ", result.message());
   }
+}
+
+absl::Status Job::SetHolding(Holding holding) {
+  bool was_running = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    was_running = materializing_;
+  }
+  StopMaterialization();
+  std::shared_ptr<const Tree> replaced;  // dropped unlocked
+  std::lock_guard<std::mutex> lock(mu_);
+  holding_ = std::move(holding);
+  // The same views, reading what is not here from elsewhere: the
+  // generation and its inodes stay.
+  ASSIGN_OR_RETURN(std::unique_ptr<Tree> same,
+                   Tree::Rebuild(store_, *current_, holding_.remote));
+  replaced =
+      std::exchange(current_, std::shared_ptr<const Tree>(std::move(same)));
+  trees_[current_->generation()] = current_;
+  if (was_running && holding_.remote != nullptr) StartMaterializationLocked();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> Job::ReleaseRetained() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return store_.ReleaseRetained();
 }
 
 void Job::StartMaterialization() {

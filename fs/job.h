@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +30,7 @@
 #include "fs/tree.h"
 #include "nlohmann/json.hpp"
 #include "ptc/parallel_config.h"
+#include "transfer/remote_bytes.h"
 #include "transfer/store.h"
 
 namespace scalai {
@@ -80,6 +82,23 @@ class Job {
   // The kernel forgot `nlookup` lookups of `ino`: a tree nobody names any
   // more is let go.
   void Forget(uint64_t ino, uint64_t nlookup);
+
+  // How a cluster shares out a step's bytes: the groups of a config this
+  // host holds (unset: all) and where the views and materialization read
+  // the others. Shards replaced by a materialization are then retained for
+  // peers until ReleaseRetained.
+  struct Holding {
+    std::function<std::optional<std::vector<int>>(const ParallelConfig&)>
+        groups;
+    const RemoteBytes* remote = nullptr;  // outlives its use by the job
+  };
+  // Stops a running materialization, rebuilds the current views with
+  // `holding` and restarts it. Cleared (a member leaving), the views read
+  // only what this store holds.
+  absl::Status SetHolding(Holding holding);
+  // Forgets the shards retained for peers, once every host has finished
+  // moving off them; returns how many blob files went.
+  absl::StatusOr<int> ReleaseRetained();
 
   // Hooks set by whoever serves or coordinates the job; each replaces the
   // one before.
@@ -155,6 +174,7 @@ class Job {
   Agreement agreement_;
   std::string status_key_;
   StatusSection status_section_;
+  Holding holding_;
 
   // The newest materialization worker and its cancel flag; guarded by mu_.
   // Each worker joins the one it superseded, so joining the newest joins all.

@@ -121,9 +121,11 @@ absl::Status CheckSize(const Store& store, const ParallelConfig& config,
 
 absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
                                                   const ParallelConfig& config,
-                                                  uint64_t generation) {
+                                                  uint64_t generation,
+                                                  const RemoteBytes* remote) {
   std::unique_ptr<Tree> tree(new Tree());
   tree->config_ = config;
+  tree->remote_ = remote;
   tree->generation_ = generation;
   tree->Add(0, "", NodeKind::kDir, 0555);
   auto add_text = [&](uint64_t parent, std::string name,
@@ -159,7 +161,7 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
   }
   for (const StepRecord& step : steps) {
     ASSIGN_OR_RETURN(std::unique_ptr<StepView> view,
-                     StepView::Create(store, step, config));
+                     StepView::Create(store, step, config, remote));
     const int view_index = static_cast<int>(tree->views_.size());
     const Placement& p = view->placement();
     const Model& model = p.model();
@@ -415,8 +417,14 @@ absl::StatusOr<const Node*> Tree::LookupSample(const Node& samples_dir,
 
 absl::StatusOr<std::unique_ptr<Tree>> Tree::Rebuild(const Store& store,
                                                     const Tree& same) {
+  return Rebuild(store, same, same.remote_);
+}
+
+absl::StatusOr<std::unique_ptr<Tree>> Tree::Rebuild(const Store& store,
+                                                    const Tree& same,
+                                                    const RemoteBytes* remote) {
   ASSIGN_OR_RETURN(std::unique_ptr<Tree> tree,
-                   Build(store, same.config_, same.generation_));
+                   Build(store, same.config_, same.generation_, remote));
   if (tree->nodes_.size() != same.nodes_.size()) {
     return absl::InternalError(absl::StrCat(
         "the tree of generation ", same.generation_, " rebuilt has ",

@@ -88,17 +88,23 @@ class Tree {
   // `generation` numbers the trees a mount serves one after another; the
   // kernel sees it with every inode, so an inode of an older tree is never
   // mistaken for one of a newer tree.
+  // In a cluster, `remote` (which outlives the tree) reads the bytes this
+  // store does not hold.
   static absl::StatusOr<std::unique_ptr<Tree>> Build(
-      const Store& store, const ParallelConfig& config,
-      uint64_t generation = 1);
+      const Store& store, const ParallelConfig& config, uint64_t generation = 1,
+      const RemoteBytes* remote = nullptr);
   // The same tree built again from the store's current records (after a
   // materialization re-pointed them at new blobs): the same generation, nodes
   // and inode numbers, and the kernel's references shared with `same`, so
   // that it can take `same`'s place without the kernel noticing.
   static absl::StatusOr<std::unique_ptr<Tree>> Rebuild(const Store& store,
                                                        const Tree& same);
+  // The same, reading what this store does not hold through `remote`.
+  static absl::StatusOr<std::unique_ptr<Tree>> Rebuild(
+      const Store& store, const Tree& same, const RemoteBytes* remote);
 
   const ParallelConfig& config() const { return config_; }
+  const RemoteBytes* remote() const { return remote_; }
   // A node of the tree, or a samples/K file the kernel holds; else null.
   const Node* Get(uint64_t ino) const;
   // The child called `name`, or null. A samples/K node is made here and
@@ -193,6 +199,7 @@ class Tree {
   };
   std::shared_ptr<Counts> counts_;
   std::vector<std::unique_ptr<StepView>> views_;
+  const RemoteBytes* remote_ = nullptr;
   struct Dataset {
     std::unique_ptr<DatasetView> view;
     std::vector<uint64_t> samples_dirs;  // by dp rank

@@ -224,6 +224,7 @@ int BlobIndex(ShardRecord& record, const std::string& name) {
 // old group); the others are added to `job`, whose header places them.
 absl::StatusOr<ShardRecord> PlanGroup(const ReshardPlan& plan, int g,
                                       const std::map<int, ShardRecord>& stored,
+                                      const std::map<int, ShardRecord>& planned,
                                       int64_t step, BlobJob& job) {
   const Placement& to = plan.to();
   const std::vector<TensorShard>& shards = to.shards(g);
@@ -233,9 +234,15 @@ absl::StatusOr<ShardRecord> PlanGroup(const ReshardPlan& plan, int g,
     ShardRef same = plan.in_place_source(g, static_cast<int>(k));
     return same.valid() && stored.contains(same.group) ? same : ShardRef{};
   };
+  // Else a replica of it in a group planned before (a layer norm of every
+  // tensor-parallel rank) is written once, and both point at it.
+  auto planned_copy = [&](size_t k) {
+    ShardRef same = plan.earlier_identical(g, static_cast<int>(k));
+    return same.valid() && planned.contains(same.group) ? same : ShardRef{};
+  };
   std::vector<SafetensorsEntry> entries;
   for (size_t k = 0; k < shards.size(); ++k) {
-    if (in_place(k).valid()) continue;
+    if (in_place(k).valid() || planned_copy(k).valid()) continue;
     job.shards.push_back(static_cast<int>(k));
     entries.push_back({shards[k].local_name,
                        to.model().tensor(shards[k].tensor).dtype,
@@ -252,9 +259,12 @@ absl::StatusOr<ShardRecord> PlanGroup(const ReshardPlan& plan, int g,
   ShardRecord record;
   for (size_t k = 0, moved = 0; k < shards.size(); ++k) {
     ShardRef same = in_place(k);
-    if (same.valid()) {
-      const ShardRecord& src = stored.at(same.group);
-      const ShardRecord::Location& at = src.tensors[same.shard];
+    ShardRef copy = planned_copy(k);
+    if (same.valid() || copy.valid()) {
+      const ShardRecord& src =
+          same.valid() ? stored.at(same.group) : planned.at(copy.group);
+      const ShardRecord::Location& at =
+          src.tensors[same.valid() ? same.shard : copy.shard];
       record.tensors.push_back(
           {BlobIndex(record, src.blobs[at.blob]), at.offset});
     } else {
@@ -307,9 +317,9 @@ absl::StatusOr<Materialization> Materialization::Write(
     for (int g = 0; g < to.num_groups(); ++g) {
       if (!update.after.holds(g)) continue;
       BlobJob job{m.steps_.size(), g, Store::NewBlobName(), {}, "", 0};
-      ASSIGN_OR_RETURN(
-          ShardRecord record,
-          PlanGroup(plan, g, update.before_shards, step.step, job));
+      ASSIGN_OR_RETURN(ShardRecord record,
+                       PlanGroup(plan, g, update.before_shards, update.shards,
+                                 step.step, job));
       for (const TensorShard& shard : to.shards(g))
         update.after.bytes += shard.bytes;
       for (int k : job.shards) m.bytes_planned_ += to.shards(g)[k].bytes;

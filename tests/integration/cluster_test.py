@@ -17,6 +17,7 @@ import errno
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -132,6 +133,57 @@ def held_as_stored(mnts, tmp, timeout=30):
         time.sleep(0.2)
 
 
+def hosts_of(config):
+    return config.split("hosts=")[1].split("+") if "hosts=" in config else []
+
+
+def held_masks(config, host):
+    """What `host` holds under `config`, worked out from numpy slicing alone:
+    {tensor: boolean mask over its elements, numbered from 1 (0 marks the
+    vocabulary's zero padding)}. A host holds the (pp, tp) shards of its
+    ranks, every one when the config names no hosts."""
+    tp, pp, dp, stages = parse_config(config)
+    if stages is None:
+        stages = [LAYERS // pp + (1 if p < LAYERS % pp else 0) for p in range(pp)]
+    first = [sum(stages[:p]) for p in range(pp)]
+    world, named = tp * pp * dp, hosts_of(config)
+    mine = {(rank // (tp * dp), rank % tp) for rank in range(world)
+            if not named or named[rank // (world // len(named))] == host}
+    masks = {name: np.zeros(size + 1, bool) for name, size in INDEX_SIZES.items()}
+    for rank, shard in rank_shards(INDEX, config, True, DIVISOR, LAYERS).items():
+        p, t = rank // (tp * dp), rank % tp
+        if (p, t) not in mine:
+            continue
+        for local, arr in shard.items():
+            m = re.search(r"layers\.(\d+)\.", local)
+            name = (local.replace(f"layers.{m.group(1)}.", f"layers.{int(m.group(1)) + first[p]}.", 1)
+                    if m else local)
+            masks[name][arr.ravel()] = True
+    return masks
+
+
+def bytes_lacking(old, new, host):
+    """The bytes `host` must fetch to hold its shards of `new`, having held
+    its shards of `old`: the plan's minimum, by the oracle above."""
+    have, want = held_masks(old, host), held_masks(new, host)
+    return sum(int(np.count_nonzero(want[n][1:] & ~have[n][1:])) * 4 for n in want)
+
+
+def fetched(mnts):
+    """Tensor bytes each host has fetched from its peers so far."""
+    return {h: sum(p["bytes_fetched"] for p in cluster_status(m)["peers"].values())
+            for h, m in mnts.items()}
+
+
+def check_fetched(mnts, before, old, new):
+    """Each host fetched exactly what it lacked for `new` since `before`."""
+    after = fetched(mnts)
+    for h in HOSTS:
+        want = bytes_lacking(old, new, h)
+        assert after[h] - before[h] == want, (h, old, new, after[h] - before[h], want)
+    return {h: after[h] - before[h] for h in HOSTS}
+
+
 def main():
     require_fuse()
     require_netns()
@@ -139,6 +191,10 @@ def main():
     r = random.Random(seed)
     full = random_gpt(np.random.default_rng(seed), LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB,
                       gated=True)
+    # Each element's number, for the oracle of the bytes that must move.
+    global INDEX, INDEX_SIZES
+    INDEX = {n: np.arange(1, x.size + 1, dtype=np.int64).reshape(x.shape) for n, x in full.items()}
+    INDEX_SIZES = {n: x.size for n, x in full.items()}
     with tempfile.TemporaryDirectory() as tmp, Mounts() as mounts:
         net = Network(MEMBERS + HOSTS)
         mnts = {h: f"{tmp}/{h}/mnt" for h in HOSTS}
@@ -210,8 +266,10 @@ def walk(r, mnts, full):
     for i in range(STEPS):
         new = next_config(r, config, HOSTS)
         writer = r.choice(HOSTS)
+        before = fetched(mnts)
         assert write_config(mnts[writer], new) == 0, (writer, status(mnts[writer]))
         wait_all(mnts, new)
+        moved = check_fetched(mnts, before, config, new)
         config = new
         # Every host's views, every few steps; one random host's otherwise.
         for h in (HOSTS if i % 4 == 0 else [r.choice(HOSTS)]):
@@ -226,7 +284,8 @@ def walk(r, mnts, full):
                 assert ranks[h] == [i_host * per, (i_host + 1) * per - 1], (new, ranks)
             for h in set(HOSTS) - set(named):
                 assert ranks[h] is None, (new, ranks)
-        print(f"walk {i}: {new} written on {writer}, every host switched")
+        print(f"walk {i}: {new} written on {writer}, every host switched; "
+              f"bytes fetched {moved}")
     return config
 
 
@@ -417,6 +476,8 @@ def intruder(net, mnts, mounts, tmp):
     with open(f"{tmp}/forged.json", "w") as f:
         json.dump(forged, f)
     refused_before = cluster_status(mnts["h0"])["peer_calls_refused"]
+    served_before = {h: cluster_status(mnts[h])["bytes_served"].get("h3", 0)
+                     for h in ["h0", "h1", "h2"]}
     p = net.run("h3", BIN, "mount", f"{tmp}/h3/store", mnts["h3"], "--cluster",
                 f"{tmp}/forged.json", "--host", "h3", capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
@@ -429,7 +490,8 @@ def intruder(net, mnts, mounts, tmp):
             assert time.time() < deadline
             time.sleep(0.2)
         for h in ["h0", "h1", "h2"]:
-            assert "h3" not in cluster_status(mnts[h])["bytes_served"], h
+            served = cluster_status(mnts[h])["bytes_served"].get("h3", 0)
+            assert served == served_before[h], (h, served, served_before[h])
     finally:
         run("umount", mnts["h3"])
         mounts.discard(mnts["h3"])
@@ -467,7 +529,8 @@ def new_host(mnts, mount, mounts, full, config, tmp):
     for name in os.listdir(store):
         p = f"{store}/{name}"
         subprocess.run(["rm", "-rf", p], check=True)
-    served_before = cluster_status(mnts["h0"])["bytes_served"].get("h3", 0)
+    served_before = {h: cluster_status(mnts[h])["bytes_served"].get("h3", 0)
+                     for h in ["h0", "h1", "h2"]}
     mount("h3")
     wait_all(mnts, config)
     check_bytes(mnts["h3"], full, config, LAYERS, DIVISOR)
@@ -476,10 +539,10 @@ def new_host(mnts, mount, mounts, full, config, tmp):
     shards = sum(os.stat(f"{latest}/rank-{rank:05d}/model.safetensors").st_size
                  for rank in range(tp * pp * dp) if (rank // tp) % dp == 0)
     job_json = os.stat(f"{mnts['h0']}/job.json").st_size
-    served = cluster_status(mnts["h0"])["bytes_served"].get("h3", 0) - served_before
+    served = cluster_status(mnts["h0"])["bytes_served"].get("h3", 0) - served_before["h0"]
     assert served == shards + job_json, (served, shards, job_json)
     for h in ["h1", "h2"]:
-        assert "h3" not in cluster_status(mnts[h])["bytes_served"], h
+        assert cluster_status(mnts[h])["bytes_served"].get("h3", 0) == served_before[h], h
     print(f"h3 joined with an empty store: {served} bytes from h0, the shards once")
 
 
