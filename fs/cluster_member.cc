@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "fs/cluster_coverage.h"
 #include "ptc/status_macros.h"
 
 namespace scalai {
@@ -249,6 +250,22 @@ absl::Status ClusterMember::Propose(const ParallelConfig& config) {
       }
     }
   }
+  // The live hosts must hold every byte the config needs between them: a
+  // host lost with the only copy of some shard leaves a config without it
+  // refused, naming what is missing.
+  ASSIGN_OR_RETURN(std::vector<HostHolding> holdings,
+                   HoldingsOf(job_.store(), host_));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const nlohmann::json& h : hosts_) {
+      const std::string name = h.value("name", "");
+      if (name == host_ || !h.value("live", false) || !h.contains("holds"))
+        continue;
+      for (HostHolding& held : HoldingsFromJson(name, h["holds"]))
+        holdings.push_back(std::move(held));
+    }
+  }
+  RETURN_IF_ERROR(CheckCoverage(job_.store(), config, holdings));
   EtcdClient::Txn txn;
   txn.conditions.push_back({Key("config"), revision});
   txn.puts.push_back(
@@ -371,6 +388,7 @@ void ClusterMember::ReleaseWhenAllFinished() {
     return;
   }
   released_for_ = mine.config;
+  bytes_held_key_.clear();  // what this host holds changed: count again
 }
 
 void ClusterMember::CheckPeers() {
@@ -421,12 +439,18 @@ void ClusterMember::RecordProgress() {
   if (key != bytes_held_key_) {
     absl::StatusOr<std::map<std::string, BlobRecord>> blobs =
         job_.store().Blobs();
-    if (!blobs.ok()) return;
+    absl::StatusOr<std::vector<HostHolding>> holdings =
+        HoldingsOf(job_.store(), host_);
+    if (!blobs.ok() || !holdings.ok()) return;
     bytes_held_ = 0;
     for (const auto& [name, blob] : *blobs) bytes_held_ += blob.size;
+    holdings_ = HoldingsToJson(*holdings);
     bytes_held_key_ = key;
   }
   progress["bytes_held"] = bytes_held_;
+  // What this host holds of each step, for a host that checks a config
+  // leaving some host out (CheckCoverage).
+  progress["holds"] = holdings_;
   std::string value =
       progress.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   {

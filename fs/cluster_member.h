@@ -116,6 +116,7 @@ class ClusterMember {
   // need no lock. The store's blob bytes, counted for the job's state
   // `bytes_held_key_`.
   int64_t bytes_held_ = 0;
+  nlohmann::json holdings_;  // HoldingsToJson of this host's store
   std::string bytes_held_key_;
   std::unique_ptr<EtcdClient::Watch> watch_;
   // The other hosts: a client each for the checks and one for bytes (with

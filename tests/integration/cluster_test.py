@@ -242,6 +242,7 @@ def main():
             config = leader_killed(r, net, etcd, mnts, full, config)
             config = host_killed(r, net, mnts, mount, mounts, full, config, tmp)
             config = partitioned(r, net, mnts, full, config)
+            config = host_lost(mnts, mount, mounts, full, config, tmp)
             intruder(net, mnts, mounts, tmp)
             config = host_leaves(r, mnts, mount, mounts, full, config)
             new_host(mnts, mount, mounts, full, config, tmp)
@@ -306,7 +307,8 @@ def refused(mnts, config):
 
 def hosted(mnts, full, config):
     """A config that names its hosts: every host shows it and the block of
-    ranks each runs; one naming a host the cluster file lacks is refused."""
+    ranks each runs; one naming a host the cluster file lacks is refused;
+    dropping the hosts of the second data-parallel replica moves no byte."""
     config = "tp=2,pp=2,dp=2,hosts=h0+h1+h2+h3"
     assert write_config(mnts["h1"], config) == 0, status(mnts["h1"])
     wait_all(mnts, config)
@@ -319,8 +321,16 @@ def hosted(mnts, full, config):
     assert "cannot be split over 3 hosts" in status(mnts["h0"])["error"]
     for m in mnts.values():
         assert status(m)["config"] == config
-    print(f"{config}: each host runs its block of ranks")
-    return config
+    # A pure data-parallel change onto hosts that hold the replicas already
+    # moves no byte (h0 and h2 ran dp_rank 0 of each stage).
+    narrow = "tp=2,pp=2,dp=1,hosts=h0+h2"
+    before = fetched(mnts)
+    assert write_config(mnts["h3"], narrow) == 0, status(mnts["h3"])
+    wait_all(mnts, narrow)
+    assert check_fetched(mnts, before, config, narrow) == {h: 0 for h in HOSTS}
+    check_bytes(mnts["h1"], full, narrow, LAYERS, DIVISOR)
+    print(f"{config}: each host runs its block of ranks; to {narrow}: no byte moved")
+    return narrow
 
 
 def racing(r, mnts, config):
@@ -460,6 +470,69 @@ def partitioned(r, net, mnts, full, config):
     assert status(mnts["h2"])["cluster"]["etcd_error"] is None
     print(f"h2 cut off and back: it caught up to {new}")
     return new
+
+
+def kill_host(h, mnts, mounts, tmp):
+    """SIGKILL of `h`'s mount, as when its machine dies; its mountpoint goes."""
+    os.kill(server_pid(f"{tmp}/{h}/store"), signal.SIGKILL)
+    subprocess.run(["umount", "-l", mnts[h]], check=True)
+    mounts.discard(mnts[h])
+
+
+def wait_released(mnt, host, timeout=30):
+    """`host`, seen from `mnt`, holds one set of shards per step: what it
+    kept for its peers after the last switch has been released."""
+    deadline = time.time() + timeout
+    while True:
+        entry = [h for h in cluster_status(mnt)["hosts"] if h["name"] == host][0]
+        holds = entry.get("holds", [])
+        if holds and len({e["step"] for e in holds}) == len(holds):
+            return holds
+        assert time.time() < deadline, entry
+        time.sleep(0.2)
+
+
+def host_lost(mnts, mount, mounts, full, config, tmp):
+    """Hosts lost for good. With dp=2, h3's replicas are rebuilt on h1 from
+    h2's, moving only what h1 lacks; with dp=1, a config without h1 (the only
+    host left holding stage 1) is refused, naming a tensor and rank, and no
+    host changes. Both come back and catch up."""
+    spread = "tp=2,pp=2,dp=2,hosts=h0+h1+h2+h3"  # stage 0: h0, h1; stage 1: h2, h3
+    before = fetched(mnts)
+    assert write_config(mnts["h0"], spread) == 0, status(mnts["h0"])
+    wait_all(mnts, spread)
+    check_fetched(mnts, before, config, spread)
+    kill_host("h3", mnts, mounts, tmp)
+    alive = {h: m for h, m in mnts.items() if h != "h3"}
+    wait_live(mnts["h0"], alive)
+    rebuilt = "tp=2,pp=2,dp=2,hosts=h0+h1"  # stage 0: h0; stage 1: h1, from h2
+    before = fetched(alive)
+    assert write_config(mnts["h0"], rebuilt) == 0, status(mnts["h0"])
+    wait_all(alive, rebuilt)
+    after = fetched(alive)
+    for h in alive:
+        assert after[h] - before[h] == bytes_lacking(spread, rebuilt, h), h
+    assert after["h1"] > before["h1"] and after["h0"] == before["h0"]
+    check_bytes(mnts["h1"], full, rebuilt, LAYERS, DIVISOR)
+    # h2 keeps stage 1 for its peers only until every live host finished.
+    assert all(e["groups"] == [] for e in wait_released(mnts["h0"], "h2")), "h2"
+    kill_host("h1", mnts, mounts, tmp)
+    wait_live(mnts["h0"], ["h0", "h2"])
+    got = write_config(mnts["h0"], "tp=2,pp=2,dp=1,hosts=h0+h2")
+    error = status(mnts["h0"])["error"]
+    assert got == errno.EINVAL and "no live host holds" in error and "of rank 2" in error, (
+        got, error)
+    for h in ["h0", "h2"]:
+        assert status(mnts[h])["config"] == rebuilt, h
+    print(f"h1 lost with the only live copy of stage 1: refused: {error}")
+    mount("h1")
+    mount("h3")
+    wait_all(mnts, rebuilt)
+    check_bytes(mnts["h3"], full, rebuilt, LAYERS, DIVISOR)
+    wait_live(mnts["h0"], HOSTS)
+    print(f"h3 lost under dp=2: its replicas rebuilt on h1 ({after['h1'] - before['h1']} bytes "
+          f"from h2); both back on {rebuilt}")
+    return rebuilt
 
 
 def intruder(net, mnts, mounts, tmp):
