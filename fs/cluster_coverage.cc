@@ -92,14 +92,14 @@ absl::Status CheckCoverage(const Store& store, const ParallelConfig& config,
       ASSIGN_OR_RETURN(ReshardPlan plan,
                        ReshardPlan::Create(*from, to, h.groups));
       auto holds = [&](int group) {
-        return !h.groups || std::binary_search(h.groups->begin(),
-                                               h.groups->end(), group);
+        return !h.groups ||
+               std::binary_search(h.groups->begin(), h.groups->end(), group);
       };
       for (int g = 0; g < to->num_groups(); ++g) {
         for (size_t k = 0; k < to->shards(g).size(); ++k) {
-          ASSIGN_OR_RETURN(std::vector<Segment> segments,
-                           plan.Resolve(g, static_cast<int>(k), 0,
-                                        to->shards(g)[k].bytes));
+          ASSIGN_OR_RETURN(
+              std::vector<Segment> segments,
+              plan.Resolve(g, static_cast<int>(k), 0, to->shards(g)[k].bytes));
           auto& ranges = held[{g, static_cast<int>(k)}];
           for (const Segment& seg : segments) {
             if (!seg.src.valid() || holds(seg.src.group)) {

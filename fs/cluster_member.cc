@@ -334,6 +334,7 @@ void ClusterMember::Beat() {
       RecordProgress();
       ReadCluster();
       ReleaseWhenAllFinished();
+      RetryWhenPeerBack();
     }
   }
 }
@@ -356,6 +357,16 @@ std::vector<PeerClient*> ClusterMember::PeersForBytes() {
     (peer.answered ? answered : others).push_back(peer.data.get());
   answered.insert(answered.end(), others.begin(), others.end());
   return answered;
+}
+
+void ClusterMember::RetryWhenPeerBack() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!std::exchange(peer_back_, false)) return;
+  }
+  // A materialization that failed while a peer was unreachable (a cut
+  // cable, a host restarting) is tried again once the peer answers.
+  if (job_.progress().state == "failed") job_.StartMaterialization();
 }
 
 void ClusterMember::ReleaseWhenAllFinished() {
@@ -411,6 +422,7 @@ void ClusterMember::CheckPeers() {
                              hello->host, " of job ", hello->job, " answered");
       }
       std::lock_guard<std::mutex> lock(mu_);
+      if (!peer.answered && error.empty()) peer_back_ = true;
       peer.answered = error.empty();
       peer.error = std::move(error);
     }

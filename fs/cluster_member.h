@@ -82,6 +82,9 @@ class ClusterMember {
   // Once every host the cluster's config needs is live and has finished
   // materializing it, the shards kept for peers are released.
   void ReleaseWhenAllFinished();
+  // A failed materialization is started again when a peer that did not
+  // answer does again.
+  void RetryWhenPeerBack();
   // The groups of `config` this host holds: those of its ranks, or all
   // when the config names no hosts.
   std::optional<std::vector<int>> HeldGroups(
@@ -131,6 +134,7 @@ class ClusterMember {
   std::map<std::string, Peer> peers_by_name_;
   std::unique_ptr<PeerBytes> remote_;  // over the peers' data clients
   std::string released_for_;  // the config last released for; beat only
+  bool peer_back_ = false;    // a peer answered again; guarded by mu_
 
   std::mutex propose_mu_;  // one proposal at a time from this host
   std::atomic<bool> stopping_{false};

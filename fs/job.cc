@@ -245,6 +245,7 @@ void Job::Materialize(const ParallelConfig& target,
     if (holding_.groups) options.hold = holding_.groups(target);
     options.remote = holding_.remote;
     options.retain = holding_.remote != nullptr;
+    options.compact = holding_.remote != nullptr;
   }
   options.progress = [this, &cancel](int64_t done, int64_t total) {
     if (cancel.load()) return;  // the newer worker owns the counters

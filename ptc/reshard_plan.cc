@@ -164,7 +164,7 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
   plan.groups_.resize(to->num_groups());
   const ParallelConfig& cfrom = from->config();
   const ParallelConfig& cto = to->config();
-  // The destination shards seen so far, by tensor, for earlier_identical.
+  // The first destination shard of each kind, by tensor (first_identical).
   std::vector<std::vector<ShardRef>> seen(model.size());
   for (int g = 0; g < to->num_groups(); ++g) {
     // Prefer the old shard group of the same-numbered rank (dp_rank 0 of this
@@ -181,7 +181,7 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
     const std::vector<TensorShard>& shards = to->shards(g);
     gp.ops.resize(shards.size());
     gp.in_place.resize(shards.size());
-    gp.earlier_identical.resize(shards.size());
+    gp.first_identical.resize(shards.size());
     for (size_t k = 0; k < shards.size(); ++k) {
       const TensorShard& dst = shards[k];
       const TensorIndex& ti = index[dst.tensor];
@@ -221,14 +221,17 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
         }
       }
       gp.in_place[k] = FindIdentical(*from, ti, dst, rank);
+      gp.first_identical[k] = {g, static_cast<int>(k)};
+      bool first = true;
       for (ShardRef other : seen[dst.tensor]) {
-        if (other.group != g &&
-            SamePieces(dst, to->shards(other.group)[other.shard])) {
-          gp.earlier_identical[k] = other;
+        if (SamePieces(dst, to->shards(other.group)[other.shard])) {
+          gp.first_identical[k] = other;
+          first = false;
           break;
         }
       }
-      seen[dst.tensor].push_back({g, static_cast<int>(k)});
+      // Only the first of each kind is compared against later.
+      if (first) seen[dst.tensor].push_back({g, static_cast<int>(k)});
     }
   }
   return plan;

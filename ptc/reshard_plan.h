@@ -90,11 +90,12 @@ class ReshardPlan {
     return groups_[group].in_place[shard];
   }
 
-  // The first destination shard of an earlier group identical to this one
-  // (a tensor replicated across tensor-parallel ranks, such as a layer
-  // norm): a host that stores both stores the bytes once. Invalid when none.
-  ShardRef earlier_identical(int group, int shard) const {
-    return groups_[group].earlier_identical[shard];
+  // The first destination shard (in group order) identical to this one,
+  // itself when no earlier one is: shards of a tensor replicated across
+  // tensor-parallel ranks (a layer norm) share it, so a host that stores
+  // several stores the bytes once.
+  ShardRef first_identical(int group, int shard) const {
+    return groups_[group].first_identical[shard];
   }
 
   // The segments that fill bytes [offset, offset + length) of the destination
@@ -107,9 +108,9 @@ class ReshardPlan {
 
  private:
   struct GroupPlan {
-    std::vector<std::vector<CopyOp>> ops;     // per destination shard
-    std::vector<ShardRef> in_place;           // per destination shard
-    std::vector<ShardRef> earlier_identical;  // per destination shard
+    std::vector<std::vector<CopyOp>> ops;   // per destination shard
+    std::vector<ShardRef> in_place;         // per destination shard
+    std::vector<ShardRef> first_identical;  // per destination shard
   };
   std::shared_ptr<const Placement> from_;
   std::shared_ptr<const Placement> to_;

@@ -72,6 +72,11 @@ absl::Status RunClusterStatus(const std::string& mountpoint, bool json) {
     for (const auto& [name, p] : c["peers"].items()) {
       std::printf(" %s %s", name.c_str(),
                   p.value("reachable", false) ? "reachable" : "UNREACHABLE");
+      const int64_t fetched =
+          p.contains("bytes_fetched") && p["bytes_fetched"].is_number_integer()
+              ? p["bytes_fetched"].get<int64_t>()
+              : 0;
+      if (fetched > 0) std::printf(", %s fetched", HumanBytes(fetched).c_str());
       if (!p["error"].is_null()) std::printf(" (%s)", Text(p, "error").c_str());
       std::printf(";");
     }

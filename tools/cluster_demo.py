@@ -1,8 +1,10 @@
 #!/usr/bin/python3
 """A job across four hosts on this machine, for the README's walkthrough:
 each host in its own network namespace with its own store, a three-member
-etcd cluster in namespaces of its own; then a config written on one host, a
-host lost, a config written while it is away, and the host back. Needs root
+etcd cluster in namespaces of its own; then a config that gives each host
+its own ranks, a host lost with the only copy of some (a config without it
+refused), replicas made, the host lost again and its ranks rebuilt from
+them. Needs root
 (namespaces, FUSE). Everything it makes is removed at the end.
 
     sudo /usr/bin/python3 tools/cluster_demo.py build/tools/scalai"""
@@ -55,6 +57,19 @@ def settle(tmp, config, live):
     raise SystemExit(f"the hosts did not settle on {config} with {live} live")
 
 
+def released(tmp, live):
+    """Waits until each host in `live` has let go of what it kept for its
+    peers (one holding per step), so that HELD shows what it holds."""
+    for _ in range(600):
+        with open(f"{tmp}/mnt-{live[0]}/status") as f:
+            hosts = json.load(f)["cluster"]["hosts"]
+        holds = {h["name"]: h.get("holds", []) for h in hosts}
+        if all(holds[h] and len({e["step"] for e in holds[h]}) == len(holds[h]) for h in live):
+            return
+        time.sleep(0.05)
+    raise SystemExit("the hosts kept what they held before")
+
+
 def main():
     os.environ["PATH"] = f"{os.path.dirname(BIN)}:{os.environ['PATH']}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,22 +100,32 @@ def main():
                      net, h, cwd=tmp)
             settle(tmp, "tp=2,pp=1,dp=1", HOSTS)
             show("scalai cluster status mnt-h0", cwd=tmp)
-            show("echo tp=4,pp=2,dp=1,hosts=h0+h1+h2+h3 > mnt-h2/config", net, "h2", cwd=tmp)
-            settle(tmp, "tp=4,pp=2,dp=1,hosts=h0+h1+h2+h3", HOSTS)
-            show("cat mnt-h0/config; ls mnt-h3/ckpt/latest", net, "h0", cwd=tmp)
-            show("scalai umount mnt-h3   # h3 is lost", net, "h3", cwd=tmp)
-            settle(tmp, "tp=4,pp=2,dp=1,hosts=h0+h1+h2+h3", HOSTS[:3])
-            show("scalai reconfigure mnt-h0 tp=2,pp=2,dp=2,hosts=h0+h1+h2+h3", net, "h0",
-                 cwd=tmp, fails=True)
-            show("scalai reconfigure mnt-h1 tp=2,pp=1,dp=3,hosts=h0+h1+h2 --wait", net, "h1",
-                 cwd=tmp)
-            settle(tmp, "tp=2,pp=1,dp=3,hosts=h0+h1+h2", HOSTS[:3])
+            # Each host keeps its own two ranks from here on.
+            spread = "tp=4,pp=2,dp=1,hosts=h0+h1+h2+h3"
+            show(f"echo {spread} > mnt-h2/config", net, "h2", cwd=tmp)
+            settle(tmp, spread, HOSTS)
+            released(tmp, HOSTS)
+            show("cat mnt-h0/config; ls -C mnt-h3/ckpt/latest", net, "h0", cwd=tmp)
             show("scalai cluster status mnt-h0", cwd=tmp)
+            # h3 holds the only copy of ranks 6 and 7.
+            show("scalai umount mnt-h3   # h3 is lost", net, "h3", cwd=tmp)
+            settle(tmp, spread, HOSTS[:3])
+            show("scalai reconfigure mnt-h0 tp=2,pp=2,dp=1,hosts=h0+h1", net, "h0",
+                 cwd=tmp, fails=True)
             show("scalai mount store-h3 mnt-h3 --cluster cluster.json --host h3   # back",
                  net, "h3", cwd=tmp)
-            settle(tmp, "tp=2,pp=1,dp=3,hosts=h0+h1+h2", HOSTS)
-            show("cat mnt-h3/config", cwd=tmp)
-            show("scalai cluster status mnt-h3", cwd=tmp)
+            settle(tmp, spread, HOSTS)
+            replicated = "tp=2,pp=2,dp=2,hosts=h0+h1+h2+h3"
+            show(f"scalai reconfigure mnt-h1 {replicated} --wait", net, "h1", cwd=tmp)
+            settle(tmp, replicated, HOSTS)
+            released(tmp, HOSTS)
+            show("scalai umount mnt-h3   # h3 is lost again", net, "h3", cwd=tmp)
+            settle(tmp, replicated, HOSTS[:3])
+            show("scalai reconfigure mnt-h0 tp=2,pp=2,dp=3,hosts=h0+h1+h2 --wait", net, "h0",
+                 cwd=tmp)
+            settle(tmp, "tp=2,pp=2,dp=3,hosts=h0+h1+h2", HOSTS[:3])
+            released(tmp, HOSTS[:3])
+            show("scalai cluster status mnt-h1", cwd=tmp)
             for h in HOSTS:
                 subprocess.run([BIN, "umount", f"{tmp}/mnt-{h}"], capture_output=True)
         finally:

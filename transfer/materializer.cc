@@ -210,6 +210,10 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
   return BlobRecord{job.bytes, writer.chunk_sums(), step};
 }
 
+// Where each kind of new shard (ReshardPlan::first_identical) was placed in
+// this step: blob name and offset.
+using Placed = std::map<std::pair<int, int>, std::pair<std::string, int64_t>>;
+
 // Adds `name` to the shard record's blob list once; returns its index.
 int BlobIndex(ShardRecord& record, const std::string& name) {
   for (size_t i = 0; i < record.blobs.size(); ++i) {
@@ -224,25 +228,31 @@ int BlobIndex(ShardRecord& record, const std::string& name) {
 // old group); the others are added to `job`, whose header places them.
 absl::StatusOr<ShardRecord> PlanGroup(const ReshardPlan& plan, int g,
                                       const std::map<int, ShardRecord>& stored,
-                                      const std::map<int, ShardRecord>& planned,
+                                      Placed& placed,
+                                      const std::set<std::string>& dropped,
                                       int64_t step, BlobJob& job) {
   const Placement& to = plan.to();
   const std::vector<TensorShard>& shards = to.shards(g);
   // A stored shard identical to the new one is used in place if this host
-  // holds it; in a cluster it may be another's, and is then fetched.
+  // holds it (in a cluster it may be another's, and is then fetched) and
+  // its blob is not being dropped.
   auto in_place = [&](size_t k) {
     ShardRef same = plan.in_place_source(g, static_cast<int>(k));
-    return same.valid() && stored.contains(same.group) ? same : ShardRef{};
+    if (!same.valid() || !stored.contains(same.group)) return ShardRef{};
+    const ShardRecord& src = stored.at(same.group);
+    const std::string& blob = src.blobs[src.tensors[same.shard].blob];
+    return dropped.contains(blob) ? ShardRef{} : same;
   };
-  // Else a replica of it in a group planned before (a layer norm of every
+  // Else a replica of it placed before in this step (a layer norm of every
   // tensor-parallel rank) is written once, and both point at it.
-  auto planned_copy = [&](size_t k) {
-    ShardRef same = plan.earlier_identical(g, static_cast<int>(k));
-    return same.valid() && planned.contains(same.group) ? same : ShardRef{};
+  auto kind = [&](size_t k) {
+    ShardRef first = plan.first_identical(g, static_cast<int>(k));
+    return std::pair{first.group, first.shard};
   };
+  auto planned_copy = [&](size_t k) { return placed.contains(kind(k)); };
   std::vector<SafetensorsEntry> entries;
   for (size_t k = 0; k < shards.size(); ++k) {
-    if (in_place(k).valid() || planned_copy(k).valid()) continue;
+    if (in_place(k).valid() || planned_copy(k)) continue;
     job.shards.push_back(static_cast<int>(k));
     entries.push_back({shards[k].local_name,
                        to.model().tensor(shards[k].tensor).dtype,
@@ -259,12 +269,12 @@ absl::StatusOr<ShardRecord> PlanGroup(const ReshardPlan& plan, int g,
   ShardRecord record;
   for (size_t k = 0, moved = 0; k < shards.size(); ++k) {
     ShardRef same = in_place(k);
-    ShardRef copy = planned_copy(k);
-    if (same.valid() || copy.valid()) {
-      const ShardRecord& src =
-          same.valid() ? stored.at(same.group) : planned.at(copy.group);
-      const ShardRecord::Location& at =
-          src.tensors[same.valid() ? same.shard : copy.shard];
+    if (planned_copy(k)) {
+      const auto& [blob, offset] = placed.at(kind(k));
+      record.tensors.push_back({BlobIndex(record, blob), offset});
+    } else if (same.valid()) {
+      const ShardRecord& src = stored.at(same.group);
+      const ShardRecord::Location& at = src.tensors[same.shard];
       record.tensors.push_back(
           {BlobIndex(record, src.blobs[at.blob]), at.offset});
     } else {
@@ -272,8 +282,38 @@ absl::StatusOr<ShardRecord> PlanGroup(const ReshardPlan& plan, int g,
       record.tensors.push_back(
           {BlobIndex(record, job.name), header.data_start() + e.data_begin});
     }
+    const ShardRecord::Location& at = record.tensors.back();
+    placed.emplace(kind(k), std::pair{record.blobs[at.blob], at.offset});
   }
   return record;
+}
+
+// The old blobs that the planned records of `update` would keep for less
+// than half their bytes (a few replicated shards left in place).
+absl::StatusOr<std::set<std::string>> MostlyUnused(
+    const Store& store, const ReshardPlan& plan,
+    const Materialization::StepUpdate& update) {
+  std::set<std::string> old;
+  for (const auto& [g, shard] : update.before_shards)
+    old.insert(shard.blobs.begin(), shard.blobs.end());
+  std::map<std::string, std::set<std::pair<int64_t, int64_t>>> kept;
+  for (const auto& [g, record] : update.shards) {
+    for (size_t k = 0; k < record.tensors.size(); ++k) {
+      const std::string& blob = record.blobs[record.tensors[k].blob];
+      if (old.contains(blob)) {
+        kept[blob].insert(
+            {record.tensors[k].offset, plan.to().shards(g)[k].bytes});
+      }
+    }
+  }
+  std::set<std::string> dropped;
+  for (const auto& [blob, pieces] : kept) {
+    int64_t used = 0;
+    for (const auto& [offset, bytes] : pieces) used += bytes;
+    ASSIGN_OR_RETURN(BlobRecord record, store.Blob(blob));
+    if (used * 2 < record.size) dropped.insert(blob);
+  }
+  return dropped;
 }
 
 }  // namespace
@@ -314,18 +354,35 @@ absl::StatusOr<Materialization> Materialization::Write(
       if (!step.holds(g)) continue;
       ASSIGN_OR_RETURN(update.before_shards[g], store.Shard(step.step, g));
     }
-    for (int g = 0; g < to.num_groups(); ++g) {
-      if (!update.after.holds(g)) continue;
-      BlobJob job{m.steps_.size(), g, Store::NewBlobName(), {}, "", 0};
-      ASSIGN_OR_RETURN(ShardRecord record,
-                       PlanGroup(plan, g, update.before_shards, update.shards,
-                                 step.step, job));
-      for (const TensorShard& shard : to.shards(g))
-        update.after.bytes += shard.bytes;
-      for (int k : job.shards) m.bytes_planned_ += to.shards(g)[k].bytes;
-      if (!job.shards.empty()) jobs.push_back(std::move(job));
-      update.shards[g] = std::move(record);
+    // Planned twice when compacting: shards left in place in an old blob
+    // that would stay mostly unused are copied instead, and the blob goes.
+    std::set<std::string> dropped;
+    std::vector<BlobJob> step_jobs;
+    int64_t step_planned = 0;
+    for (int pass = 0;; ++pass) {
+      step_jobs.clear();
+      update.shards.clear();
+      Placed placed;
+      update.after.bytes = 0;
+      step_planned = 0;
+      for (int g = 0; g < to.num_groups(); ++g) {
+        if (!update.after.holds(g)) continue;
+        BlobJob job{m.steps_.size(), g, Store::NewBlobName(), {}, "", 0};
+        ASSIGN_OR_RETURN(ShardRecord record,
+                         PlanGroup(plan, g, update.before_shards, placed,
+                                   dropped, step.step, job));
+        for (const TensorShard& shard : to.shards(g))
+          update.after.bytes += shard.bytes;
+        for (int k : job.shards) step_planned += to.shards(g)[k].bytes;
+        if (!job.shards.empty()) step_jobs.push_back(std::move(job));
+        update.shards[g] = std::move(record);
+      }
+      if (!options.compact || pass > 0) break;
+      ASSIGN_OR_RETURN(dropped, MostlyUnused(store, plan, update));
+      if (dropped.empty()) break;
     }
+    m.bytes_planned_ += step_planned;
+    for (BlobJob& job : step_jobs) jobs.push_back(std::move(job));
     m.steps_.push_back(std::move(update));
     views.push_back(std::move(view));
   }

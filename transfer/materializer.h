@@ -48,6 +48,11 @@ class Materialization {
     std::optional<std::vector<int>> hold;
     const RemoteBytes* remote = nullptr;
     bool retain = false;
+    // Copy shards that could stay in place when their old blob would
+    // otherwise stay for less than half its bytes: a host that keeps a
+    // fraction of what it held (a cluster) frees the rest, at the cost of
+    // writing a few small replicated shards (layer norms) again.
+    bool compact = false;
   };
 
   // Plans every step not stored under `config` and writes the bytes that
@@ -72,6 +77,14 @@ class Materialization {
   // Blob files removed by Commit: no record names them any more.
   const std::vector<std::string>& blobs_freed() const { return blobs_freed_; }
 
+  // What a step is re-stored as (public for the planning helpers).
+  struct StepUpdate {
+    StepRecord before;
+    StepRecord after;
+    std::map<int, ShardRecord> before_shards;  // the groups `before` holds
+    std::map<int, ShardRecord> shards;         // the groups `after` holds
+  };
+
   // Re-points the steps at their new shards in one catalog batch, then
   // unlinks the blobs no record names. Fails, changing nothing, if a step
   // was re-stored by someone else since Write.
@@ -80,12 +93,6 @@ class Materialization {
  private:
   Materialization() = default;
 
-  struct StepUpdate {
-    StepRecord before;
-    StepRecord after;
-    std::map<int, ShardRecord> before_shards;  // the groups `before` holds
-    std::map<int, ShardRecord> shards;         // the groups `after` holds
-  };
   std::string blob_dir_;
   std::vector<StepUpdate> steps_;
   std::map<std::string, BlobRecord> new_blobs_;
