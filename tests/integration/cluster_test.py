@@ -242,6 +242,7 @@ def main():
             config = leader_killed(r, net, etcd, mnts, full, config)
             config = host_killed(r, net, mnts, mount, mounts, full, config, tmp)
             config = partitioned(r, net, mnts, full, config)
+            config = cut_while_materializing(net, mnts, full, config)
             config = host_lost(mnts, mount, mounts, full, config, tmp)
             intruder(net, mnts, mounts, tmp)
             config = host_leaves(r, mnts, mount, mounts, full, config)
@@ -470,6 +471,41 @@ def partitioned(r, net, mnts, full, config):
     assert status(mnts["h2"])["cluster"]["etcd_error"] is None
     print(f"h2 cut off and back: it caught up to {new}")
     return new
+
+
+def cut_while_materializing(net, mnts, full, config):
+    """h1 holds the only copy of stage 1 when its cable is cut, just as a
+    config moving stage 1 to h0 is agreed: h0's materialization fails and
+    says why; once the cable is back it is tried again and finishes, each
+    host having fetched exactly what it lacked."""
+    split = "tp=2,pp=2,dp=1,hosts=h0+h1"  # stage 0: h0; stage 1: h1
+    before = fetched(mnts)
+    assert write_config(mnts["h0"], split) == 0, status(mnts["h0"])
+    wait_all(mnts, split)
+    check_fetched(mnts, before, config, split)
+    for h in HOSTS:  # nobody keeps a spare copy of stage 1 any more
+        wait_released(mnts["h0"], h)
+    moved = "tp=2,pp=2,dp=1,hosts=h1+h0"  # stage 0: h1; stage 1: h0
+    before = fetched(mnts)
+    net.link("h1", False)
+    try:
+        assert write_config(mnts["h2"], moved) == 0, status(mnts["h2"])
+        deadline = time.time() + 90
+        while True:
+            s = status(mnts["h0"])
+            if s["config"] == moved and s["state"] == "failed":
+                break
+            assert time.time() < deadline, s
+            time.sleep(0.2)
+        assert "held by no reachable host" in s["error"], s["error"]
+    finally:
+        net.link("h1", True)
+    wait_all(mnts, moved, timeout=90)
+    check_fetched(mnts, before, split, moved)
+    check_bytes(mnts["h0"], full, moved, LAYERS, DIVISOR)
+    print(f"h1 cut off while h0 fetched stage 1 from it: failed ({s['error'][:60]}...), "
+          "finished once h1 was back")
+    return moved
 
 
 def kill_host(h, mnts, mounts, tmp):
