@@ -370,8 +370,14 @@ void ClusterMember::RetryWhenPeerBack() {
 }
 
 void ClusterMember::ReleaseWhenAllFinished() {
+  // Anything kept for peers shows as a second holding of a step.
+  std::set<int64_t> steps;
+  bool kept = false;
+  for (const nlohmann::json& h : holdings_)
+    kept |= !steps.insert(h.value("step", int64_t{0})).second;
+  if (!kept) return;
   const Job::Progress mine = job_.progress();
-  if (mine.state != "ready" || mine.config == released_for_) return;
+  if (mine.state != "ready") return;
   absl::StatusOr<ParallelConfig> config = ParallelConfig::Parse(mine.config);
   if (!config.ok()) return;
   {
@@ -398,7 +404,6 @@ void ClusterMember::ReleaseWhenAllFinished() {
                                   released.status().message()));
     return;
   }
-  released_for_ = mine.config;
   bytes_held_key_.clear();  // what this host holds changed: count again
 }
 

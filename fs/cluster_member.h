@@ -133,8 +133,7 @@ class ClusterMember {
   };
   std::map<std::string, Peer> peers_by_name_;
   std::unique_ptr<PeerBytes> remote_;  // over the peers' data clients
-  std::string released_for_;  // the config last released for; beat only
-  bool peer_back_ = false;    // a peer answered again; guarded by mu_
+  bool peer_back_ = false;             // a peer answered again; guarded by mu_
 
   std::mutex propose_mu_;  // one proposal at a time from this host
   std::atomic<bool> stopping_{false};

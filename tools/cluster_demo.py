@@ -57,14 +57,17 @@ def settle(tmp, config, live):
     raise SystemExit(f"the hosts did not settle on {config} with {live} live")
 
 
-def released(tmp, live):
-    """Waits until each host in `live` has let go of what it kept for its
-    peers (one holding per step), so that HELD shows what it holds."""
+def released(tmp, config, live):
+    """Waits until each host in `live` has recorded `config` materialized and
+    let go of what it kept for its peers (one holding per step), so that
+    HELD shows what it holds."""
     for _ in range(600):
         with open(f"{tmp}/mnt-{live[0]}/status") as f:
-            hosts = json.load(f)["cluster"]["hosts"]
-        holds = {h["name"]: h.get("holds", []) for h in hosts}
-        if all(holds[h] and len({e["step"] for e in holds[h]}) == len(holds[h]) for h in live):
+            hosts = {h["name"]: h for h in json.load(f)["cluster"]["hosts"]}
+        if all(hosts[h].get("config") == config and hosts[h].get("state") == "ready" and
+               hosts[h].get("holds") and
+               len({e["step"] for e in hosts[h]["holds"]}) == len(hosts[h]["holds"])
+               for h in live):
             return
         time.sleep(0.05)
     raise SystemExit("the hosts kept what they held before")
@@ -104,7 +107,7 @@ def main():
             spread = "tp=4,pp=2,dp=1,hosts=h0+h1+h2+h3"
             show(f"echo {spread} > mnt-h2/config", net, "h2", cwd=tmp)
             settle(tmp, spread, HOSTS)
-            released(tmp, HOSTS)
+            released(tmp, spread, HOSTS)
             show("cat mnt-h0/config; ls -C mnt-h3/ckpt/latest", net, "h0", cwd=tmp)
             show("scalai cluster status mnt-h0", cwd=tmp)
             # h3 holds the only copy of ranks 6 and 7.
@@ -118,13 +121,13 @@ def main():
             replicated = "tp=2,pp=2,dp=2,hosts=h0+h1+h2+h3"
             show(f"scalai reconfigure mnt-h1 {replicated} --wait", net, "h1", cwd=tmp)
             settle(tmp, replicated, HOSTS)
-            released(tmp, HOSTS)
+            released(tmp, replicated, HOSTS)
             show("scalai umount mnt-h3   # h3 is lost again", net, "h3", cwd=tmp)
             settle(tmp, replicated, HOSTS[:3])
             show("scalai reconfigure mnt-h0 tp=2,pp=2,dp=3,hosts=h0+h1+h2 --wait", net, "h0",
                  cwd=tmp)
             settle(tmp, "tp=2,pp=2,dp=3,hosts=h0+h1+h2", HOSTS[:3])
-            released(tmp, HOSTS[:3])
+            released(tmp, "tp=2,pp=2,dp=3,hosts=h0+h1+h2", HOSTS[:3])
             show("scalai cluster status mnt-h1", cwd=tmp)
             for h in HOSTS:
                 subprocess.run([BIN, "umount", f"{tmp}/mnt-{h}"], capture_output=True)

@@ -169,7 +169,10 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
           RETURN_IF_ERROR(CheckCancel(cancel));
           const int64_t n = std::min(kFetchBytes, seg.length - at);
           RETURN_IF_ERROR(fetcher.remote->Read(
-              step, from, seg.src, seg.src_offset + at, n, fetched.get()));
+              step, from, seg.src,
+              view.plan().from().shards(seg.src.group)[seg.src.shard].bytes,
+              seg.src_offset + at, n, fetched.get(),
+              RemoteBytes::Access::kExact));
           fetcher.fetched += n;
           RETURN_IF_ERROR(writer.Append(fetched.get(), n));
         }

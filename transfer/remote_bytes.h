@@ -16,12 +16,18 @@ namespace scalai {
 class RemoteBytes {
  public:
   virtual ~RemoteBytes() = default;
-  // Bytes [offset, offset + length) of shards(shard.group)[shard.shard] of
-  // step `step` seen under `config` into `out`: all of them, or an error
-  // that names what no reachable host holds. Thread-safe.
+  // How a range is read: kExact fetches exactly its bytes (a
+  // materialization, whose every byte is counted); kCached may fetch the
+  // blocks around it and keep them for the reads that follow (a worker
+  // reading a file front to back through the mount).
+  enum class Access { kExact, kCached };
+  // Bytes [offset, offset + length) of shards(shard.group)[shard.shard]
+  // (`shard_bytes` long) of step `step` seen under `config` into `out`: all
+  // of them, or an error that names what no reachable host holds.
+  // Thread-safe.
   virtual absl::Status Read(int64_t step, const std::string& config,
-                            ShardRef shard, int64_t offset, int64_t length,
-                            char* out) const = 0;
+                            ShardRef shard, int64_t shard_bytes, int64_t offset,
+                            int64_t length, char* out, Access access) const = 0;
 };
 
 }  // namespace scalai

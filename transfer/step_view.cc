@@ -91,8 +91,11 @@ absl::StatusOr<int64_t> StepView::ReadSegments(int group, int shard,
     } else if (held_only) {
       return seg.dst_offset - offset;
     } else if (remote_ != nullptr) {
+      const int64_t size =
+          plan_.from().shards(seg.src.group)[seg.src.shard].bytes;
       RETURN_IF_ERROR(remote_->Read(step_, plan_.from().config().ToString(),
-                                    seg.src, seg.src_offset, seg.length, dst));
+                                    seg.src, size, seg.src_offset, seg.length,
+                                    dst, RemoteBytes::Access::kCached));
     } else {
       const TensorShard& s = plan_.from().shards(seg.src.group)[seg.src.shard];
       return absl::FailedPreconditionError(

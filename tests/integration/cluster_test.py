@@ -484,7 +484,7 @@ def cut_while_materializing(net, mnts, full, config):
     wait_all(mnts, split)
     check_fetched(mnts, before, config, split)
     for h in HOSTS:  # nobody keeps a spare copy of stage 1 any more
-        wait_released(mnts["h0"], h)
+        wait_released(mnts["h0"], h, split)
     moved = "tp=2,pp=2,dp=1,hosts=h1+h0"  # stage 0: h1; stage 1: h0
     before = fetched(mnts)
     net.link("h1", False)
@@ -515,14 +515,16 @@ def kill_host(h, mnts, mounts, tmp):
     mounts.discard(mnts[h])
 
 
-def wait_released(mnt, host, timeout=30):
-    """`host`, seen from `mnt`, holds one set of shards per step: what it
-    kept for its peers after the last switch has been released."""
+def wait_released(mnt, host, config, timeout=30):
+    """`host`, seen from `mnt`, has recorded `config` materialized and holds
+    one set of shards per step: what it kept for its peers after the switch
+    has been released."""
     deadline = time.time() + timeout
     while True:
         entry = [h for h in cluster_status(mnt)["hosts"] if h["name"] == host][0]
         holds = entry.get("holds", [])
-        if holds and len({e["step"] for e in holds}) == len(holds):
+        if (entry.get("config") == config and entry.get("state") == "ready" and holds and
+                len({e["step"] for e in holds}) == len(holds)):
             return holds
         assert time.time() < deadline, entry
         time.sleep(0.2)
@@ -551,7 +553,7 @@ def host_lost(mnts, mount, mounts, full, config, tmp):
     assert after["h1"] > before["h1"] and after["h0"] == before["h0"]
     check_bytes(mnts["h1"], full, rebuilt, LAYERS, DIVISOR)
     # h2 keeps stage 1 for its peers only until every live host finished.
-    assert all(e["groups"] == [] for e in wait_released(mnts["h0"], "h2")), "h2"
+    assert all(e["groups"] == [] for e in wait_released(mnts["h0"], "h2", rebuilt)), "h2"
     kill_host("h1", mnts, mounts, tmp)
     wait_live(mnts["h0"], ["h0", "h2"])
     got = write_config(mnts["h0"], "tp=2,pp=2,dp=1,hosts=h0+h2")

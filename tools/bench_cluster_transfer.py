@@ -1,0 +1,181 @@
+#!/usr/bin/python3
+"""How fast a cluster moves state between hosts, against raw TCP between the
+same hosts in the same run: two hosts, each in its own network namespace
+with its own store, and a one-member etcd (needs root). The hosts first
+split the model's two pipeline stages (h0 the first, h1 the second), then
+swap them: each host fetches the whole of the other's stage from it while
+the other does the same, and writes it into new blobs. Timed from the
+config's write() until both hosts have committed it (agreement, switch,
+fetch over gRPC, write, fsync, commit). Reference: iperf3 --bidir between
+the same two namespaces, and `cp` of a stage's bytes on the same disk (both
+"hosts" write to this machine's one disk). Then the network path alone: a
+read through h0's mount of a rank only h1 holds, against one-way iperf3.
+
+    sudo /usr/bin/python3 tools/bench_cluster_transfer.py build/tools/scalai [ROUNDS]"""
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from netns import Etcd, Network  # noqa
+
+BIN = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build/tools/scalai")
+ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+HOSTS = ["h0", "h1"]
+MODEL = os.environ.get("SCALAI_BENCH_MODEL",
+                       "layers=8,hidden=1536,heads=16,groups=16,vocab=32000")
+VOCAB = dict(kv.split("=") for kv in MODEL.split(","))["vocab"]
+SPLIT = ["tp=1,pp=2,dp=1,hosts=h0+h1", "tp=1,pp=2,dp=1,hosts=h1+h0"]
+MB = 1e6
+
+
+def status(mnt):
+    with open(f"{mnt}/status") as f:
+        return json.load(f)
+
+
+def write_config(mnt, config):
+    fd = os.open(f"{mnt}/config", os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, (config + "\n").encode())
+    except OSError:
+        raise SystemExit(f"{config} refused: {status(mnt)['error']}")
+    finally:
+        os.close(fd)
+
+
+def settled(mnts, config, released=False):
+    """Both hosts have committed `config` (and, with `released`, let go of
+    what they kept for each other)."""
+    for m in mnts.values():
+        s = status(m)
+        if s["config"] != config or s["state"] != "ready":
+            if s["state"] == "failed":
+                raise SystemExit(f"materialization failed: {s['error']}")
+            return False
+        if released:  # as each host recorded it with the config committed
+            for h in s["cluster"]["hosts"]:
+                if (h.get("config") != config or h.get("state") != "ready" or
+                        len(h.get("holds", [])) != 1):
+                    return False
+    return True
+
+
+def wait(mnts, config, released=False, timeout=120):
+    deadline = time.time() + timeout
+    while not settled(mnts, config, released):
+        if time.time() > deadline:
+            raise SystemExit(f"the hosts did not settle on {config}: " + "; ".join(
+                f"{h}: {s['config']} {s['state']} {s['bytes_moved']}/{s['bytes_to_move']} "
+                f"{s['error']}" for h, s in ((h, status(m)) for h, m in mnts.items())))
+        time.sleep(0.005)
+
+
+def fetched(mnts):
+    return sum(p["bytes_fetched"] for m in mnts.values()
+               for p in status(m)["cluster"]["peers"].values())
+
+
+def main():
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+        net = Network(["e0"] + HOSTS)
+        mnts = {h: f"{tmp}/mnt-{h}" for h in HOSTS}
+        try:
+            etcd = Etcd(net, ["e0"], tmp)
+            etcd.wait_healthy("h0")
+            with open(f"{tmp}/token", "w") as f:
+                f.write(os.urandom(24).hex())
+            with open(f"{tmp}/cluster.json", "w") as f:
+                json.dump({"job": "bench", "etcd": etcd.endpoints, "token_file": "token",
+                           "hosts": [{"name": h, "address": f"{net.address[h]}:7070"}
+                                     for h in HOSTS]}, f)
+            subprocess.run([BIN, "synth", f"{tmp}/ckpt", "--layout", "megatron-core-gpt",
+                            "--config", "tp=1,pp=2,dp=1", "--model", MODEL], check=True,
+                           capture_output=True)
+            for h in HOSTS:
+                subprocess.run([BIN, "init", f"{tmp}/store-{h}", "--layout", "megatron-core-gpt",
+                                "--param", f"vocab_size={VOCAB}"], check=True)
+                subprocess.run([BIN, "import", f"{tmp}/store-{h}", f"{tmp}/ckpt", "--config",
+                                "tp=1,pp=2,dp=1", "--step", "100"], check=True,
+                               capture_output=True)
+                os.makedirs(mnts[h])
+            for h in HOSTS:
+                net.run(h, BIN, "mount", f"{tmp}/store-{h}", mnts[h], "--cluster",
+                        f"{tmp}/cluster.json", "--host", h, check=True, capture_output=True)
+            while not all(h["live"] for m in mnts.values()
+                          for h in status(m)["cluster"]["hosts"]):
+                time.sleep(0.05)
+            write_config(mnts["h0"], SPLIT[0])
+            wait(mnts, SPLIT[0], released=True)
+            # Reference 1: raw TCP both ways at once between the namespaces.
+            server = net.spawn("h1", ["iperf3", "-s", "-1"], stdout=subprocess.DEVNULL)
+            time.sleep(0.5)
+            p = net.run("h0", "iperf3", "-c", net.address["h1"], "-t", "5", "--bidir", "-J",
+                        capture_output=True, text=True, check=True)
+            server.wait(10)
+            end = json.loads(p.stdout)["end"]
+            tcp = (end["sum_received"]["bits_per_second"] +
+                   end["sum_received_bidir_reverse"]["bits_per_second"]) / 8
+            # Reference 2: the disk, copying one stage's blob files.
+            stage = max((os.path.join(f"{tmp}/store-h0/blobs", b)
+                         for b in os.listdir(f"{tmp}/store-h0/blobs")), key=os.path.getsize)
+            size = os.path.getsize(stage)
+            start = time.perf_counter()
+            subprocess.run(["cp", stage, f"{tmp}/copy"], check=True)
+            subprocess.run(["sync", f"{tmp}/copy"], check=True)
+            disk = size / (time.perf_counter() - start)
+            os.unlink(f"{tmp}/copy")
+            rates, moved = [], 0
+            for i in range(ROUNDS):
+                config = SPLIT[(i + 1) % 2]
+                before = fetched(mnts)
+                start = time.perf_counter()
+                write_config(mnts[HOSTS[i % 2]], config)
+                wait(mnts, config)
+                took = time.perf_counter() - start
+                moved = fetched(mnts) - before
+                rates.append(moved / took)
+                wait(mnts, config, released=True)
+            rate = statistics.median(rates)
+            # The network path alone: h0 reads, through its mount, the rank
+            # h1 holds (nothing of it on h0's disk, nor in its page cache),
+            # against one-way raw TCP.
+            final = SPLIT[ROUNDS % 2]
+            remote_rank = 0 if final.endswith("h1+h0") else 1
+            path = f"{mnts['h0']}/ckpt/latest/rank-{remote_rank:05d}/model.safetensors"
+            before = fetched(mnts)
+            start = time.perf_counter()
+            with open(path, "rb", buffering=0) as f:
+                while f.read(4 << 20):
+                    pass
+            view = (fetched(mnts) - before) / (time.perf_counter() - start)
+            server = net.spawn("h1", ["iperf3", "-s", "-1"], stdout=subprocess.DEVNULL)
+            time.sleep(0.5)
+            p = net.run("h0", "iperf3", "-c", net.address["h1"], "-t", "5", "-R", "-J",
+                        capture_output=True, text=True, check=True)
+            server.wait(10)
+            one_way = json.loads(p.stdout)["end"]["sum_received"]["bits_per_second"] / 8
+            print(f"model {MODEL} (bf16), {ROUNDS} swaps of {SPLIT[0]} <-> {SPLIT[1]}; "
+                  f"{moved / MB:.0f} MB cross the network per swap (both ways)")
+            print(f"materialization across hosts:  {rate / MB:7.0f} MB/s both ways together "
+                  f"(median; {', '.join(f'{r / MB:.0f}' for r in rates)})")
+            print(f"iperf3 --bidir, same hosts:    {tcp / MB:7.0f} MB/s both ways together "
+                  f"-> ratio {rate / tcp:.2f}")
+            print(f"read of a rank held by the peer: {view / MB:7.0f} MB/s through the mount; "
+                  f"iperf3 one way {one_way / MB:.0f} MB/s -> ratio {view / one_way:.2f}")
+            print(f"cp + sync of a {size / MB:.0f} MB blob:   {disk / MB:7.0f} MB/s "
+                  f"(each host writes what it fetches) -> ratio {rate / 2 / disk:.2f} per host")
+        finally:
+            for h in HOSTS:
+                subprocess.run(["umount", "-l", mnts[h]], capture_output=True)
+            net.close()
+    shutil.rmtree(f"{tmp}", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
