@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -78,6 +79,26 @@ absl::Status CheckCoverage(const Store& store, const ParallelConfig& config,
                    Placement::Create(store.layout(), store.model(), config));
   auto to = std::make_shared<const Placement>(std::move(target));
   for (const StepRecord& step : steps) {
+    // Most often the hosts together hold every group of one config (the
+    // cluster's, or any config without hosts): the step is whole, and no
+    // plan is needed.
+    std::map<std::string, std::set<int>> groups_of;
+    bool whole = false;
+    for (const HostHolding& h : holdings) {
+      if (h.step != step.step || whole) continue;
+      if (!h.groups) {
+        whole = true;
+        continue;
+      }
+      absl::StatusOr<ParallelConfig> c = ParallelConfig::Parse(h.config);
+      if (!c.ok()) continue;
+      std::set<int>& held = groups_of[h.config];
+      for (int g : *h.groups) {
+        if (g >= 0 && g < c->num_shard_groups()) held.insert(g);
+      }
+      whole = static_cast<int>(held.size()) == c->num_shard_groups();
+    }
+    if (whole) continue;
     // Per destination shard, the byte ranges some live host holds.
     std::map<std::pair<int, int>, std::vector<std::pair<int64_t, int64_t>>>
         held;
