@@ -10,7 +10,6 @@ one process start included, and the single-host switch (the same write on a
 mount without --cluster).
 
     sudo /usr/bin/python3 tools/bench_cluster.py build/tools/scalai [ROUNDS]"""
-import json
 import os
 import statistics
 import subprocess
@@ -20,7 +19,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from netns import Etcd, Network  # noqa
+from netns import Etcd, Network, write_cluster_file  # noqa
 
 BIN = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build/tools/scalai")
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
@@ -72,12 +71,7 @@ def main():
         try:
             etcd = Etcd(net, ["e0", "e1", "e2"], tmp)
             etcd.wait_healthy("h0")
-            with open(f"{tmp}/token", "w") as f:
-                f.write(os.urandom(24).hex())
-            with open(f"{tmp}/cluster.json", "w") as f:
-                json.dump({"job": "bench", "etcd": etcd.endpoints, "token_file": "token",
-                           "hosts": [{"name": h, "address": f"{net.address[h]}:7070"}
-                                     for h in HOSTS]}, f)
+            write_cluster_file(tmp, net, etcd, HOSTS, "bench")
             subprocess.run([BIN, "synth", f"{tmp}/ckpt", "--layout", "megatron-core-gpt",
                             "--config", CONFIGS[0], "--model", MODEL], check=True)
             for h in HOSTS + ["single"]:

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from netns import Etcd, Network  # noqa
+from netns import Etcd, Network, write_cluster_file  # noqa
 
 BIN = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build/tools/scalai")
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -88,12 +88,7 @@ def main():
         try:
             etcd = Etcd(net, ["e0"], tmp)
             etcd.wait_healthy("h0")
-            with open(f"{tmp}/token", "w") as f:
-                f.write(os.urandom(24).hex())
-            with open(f"{tmp}/cluster.json", "w") as f:
-                json.dump({"job": "bench", "etcd": etcd.endpoints, "token_file": "token",
-                           "hosts": [{"name": h, "address": f"{net.address[h]}:7070"}
-                                     for h in HOSTS]}, f)
+            write_cluster_file(tmp, net, etcd, HOSTS, "bench")
             subprocess.run([BIN, "synth", f"{tmp}/ckpt", "--layout", "megatron-core-gpt",
                             "--config", "tp=1,pp=2,dp=1", "--model", MODEL], check=True,
                            capture_output=True)

@@ -16,7 +16,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from netns import Etcd, Network  # noqa
+from netns import Etcd, Network, write_cluster_file  # noqa
 
 BIN = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build/tools/scalai")
 HOSTS = ["h0", "h1", "h2", "h3"]
@@ -80,12 +80,7 @@ def main():
         try:
             etcd = Etcd(net, ["e0", "e1", "e2"], tmp)
             etcd.wait_healthy("h0")
-            with open(f"{tmp}/token", "w") as f:
-                f.write(os.urandom(24).hex() + "\n")
-            with open(f"{tmp}/cluster.json", "w") as f:
-                json.dump({"job": "gpt", "etcd": etcd.endpoints, "token_file": "token",
-                           "hosts": [{"name": h, "address": f"{net.address[h]}:7070"}
-                                     for h in HOSTS]}, f, indent=1)
+            write_cluster_file(tmp, net, etcd, HOSTS, "gpt", indent=1)
             show("cat cluster.json", cwd=tmp)
             subprocess.run([BIN, "synth", f"{tmp}/ckpt", "--layout", "megatron-core-gpt",
                             "--config", "tp=2,pp=1,dp=1", "--model", MODEL], check=True,

@@ -2,6 +2,7 @@
 namespace, joined by veth pairs to a bridge in a namespace of its own, with
 addresses only inside those namespaces; etcd members run the same way.
 Everything made is torn down by `close`, however the test ends."""
+import json
 import os
 import signal
 import subprocess
@@ -137,3 +138,17 @@ class Etcd:
         p = self.members[name]
         p.send_signal(signal.SIGKILL)
         p.wait()
+
+
+def write_cluster_file(tmp, net, etcd, hosts, job, token=None, indent=None):
+    """Writes `tmp`/cluster.json for `hosts` (each at its namespace's
+    address, port 7070) and `etcd`, with a token (random unless given) in
+    `tmp`/token; returns the cluster file's path."""
+    with open(f"{tmp}/token", "w") as f:
+        f.write((token or os.urandom(24).hex()) + "\n")
+    path = f"{tmp}/cluster.json"
+    with open(path, "w") as f:
+        json.dump({"job": job, "etcd": etcd.endpoints, "token_file": "token",
+                   "hosts": [{"name": h, "address": f"{net.address[h]}:7070"} for h in hosts]},
+                  f, indent=indent)
+    return path
