@@ -275,74 +275,85 @@ absl::StatusOr<std::vector<int>> DecodeHeld(const json& j, int groups,
 
 }  // namespace
 
+namespace {
+
+// A step record as the catalog keeps it under `key`.
+absl::StatusOr<StepRecord> DecodeStep(const std::string& key,
+                                      const std::string& value) {
+  std::string what = absl::StrCat("step ", StepFromKey(key));
+  ASSIGN_OR_RETURN(json j, ParseRecord(value, what));
+  if (!j.contains("config") || !j["config"].is_string() ||
+      !j.contains("groups") || !j["groups"].is_number_integer() ||
+      !j.contains("bytes")) {
+    return Corrupt(what);
+  }
+  StepRecord step;
+  step.step = StepFromKey(key);
+  step.config = j["config"].get<std::string>();
+  step.groups = j["groups"].get<int>();
+  step.bytes = j["bytes"].get<int64_t>();
+  if (step.groups < 0) return Corrupt(what);
+  if (j.contains("held")) {
+    ASSIGN_OR_RETURN(step.held, DecodeHeld(j["held"], step.groups, what));
+  }
+  if (j.contains("retained")) {
+    if (!j["retained"].is_array()) return Corrupt(what);
+    for (const json& r : j["retained"]) {
+      RetainedShards kept;
+      if (!r.is_object() || !r.contains("config") || !r["config"].is_string() ||
+          !r.contains("groups") || !r["groups"].is_object()) {
+        return Corrupt(what);
+      }
+      kept.config = r["config"].get<std::string>();
+      for (const auto& [group, shard] : r["groups"].items()) {
+        int g = -1;
+        if (!absl::SimpleAtoi(group, &g) || g < 0) return Corrupt(what);
+        ASSIGN_OR_RETURN(kept.groups[g], DecodeShard(shard, what));
+      }
+      step.retained.push_back(std::move(kept));
+    }
+  }
+  if (j.contains("consumed_samples")) {
+    if (!j["consumed_samples"].is_number_integer()) return Corrupt(what);
+    step.consumed_samples = j["consumed_samples"].get<int64_t>();
+  }
+  if (j.contains("extra")) {
+    try {
+      step.extra_config = j.at("extra_config").get<std::string>();
+      for (const auto& [rank, files] : j.at("extra").items()) {
+        std::vector<ExtraFile>& mine = step.extra[std::stoi(rank)];
+        for (const json& f : files) {
+          mine.push_back({f.at("path").get<std::string>(),
+                          f.at("blob").get<std::string>(),
+                          f.at("size").get<int64_t>()});
+        }
+      }
+    } catch (const std::exception&) {
+      return Corrupt(what);
+    }
+  }
+  return step;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<StepRecord>> Store::Steps() const {
   ASSIGN_OR_RETURN(auto records, catalog_->Scan(Table::kSteps));
   std::vector<StepRecord> steps;
   for (const auto& [key, value] : records) {
-    std::string what = absl::StrCat("step ", StepFromKey(key));
-    ASSIGN_OR_RETURN(json j, ParseRecord(value, what));
-    if (!j.contains("config") || !j["config"].is_string() ||
-        !j.contains("groups") || !j["groups"].is_number_integer() ||
-        !j.contains("bytes")) {
-      return Corrupt(what);
-    }
-    StepRecord step;
-    step.step = StepFromKey(key);
-    step.config = j["config"].get<std::string>();
-    step.groups = j["groups"].get<int>();
-    step.bytes = j["bytes"].get<int64_t>();
-    if (step.groups < 0) return Corrupt(what);
-    if (j.contains("held")) {
-      ASSIGN_OR_RETURN(step.held, DecodeHeld(j["held"], step.groups, what));
-    }
-    if (j.contains("retained")) {
-      if (!j["retained"].is_array()) return Corrupt(what);
-      for (const json& r : j["retained"]) {
-        RetainedShards kept;
-        if (!r.is_object() || !r.contains("config") ||
-            !r["config"].is_string() || !r.contains("groups") ||
-            !r["groups"].is_object()) {
-          return Corrupt(what);
-        }
-        kept.config = r["config"].get<std::string>();
-        for (const auto& [group, shard] : r["groups"].items()) {
-          int g = -1;
-          if (!absl::SimpleAtoi(group, &g) || g < 0) return Corrupt(what);
-          ASSIGN_OR_RETURN(kept.groups[g], DecodeShard(shard, what));
-        }
-        step.retained.push_back(std::move(kept));
-      }
-    }
-    if (j.contains("consumed_samples")) {
-      if (!j["consumed_samples"].is_number_integer()) return Corrupt(what);
-      step.consumed_samples = j["consumed_samples"].get<int64_t>();
-    }
-    if (j.contains("extra")) {
-      try {
-        step.extra_config = j.at("extra_config").get<std::string>();
-        for (const auto& [rank, files] : j.at("extra").items()) {
-          std::vector<ExtraFile>& mine = step.extra[std::stoi(rank)];
-          for (const json& f : files) {
-            mine.push_back({f.at("path").get<std::string>(),
-                            f.at("blob").get<std::string>(),
-                            f.at("size").get<int64_t>()});
-          }
-        }
-      } catch (const std::exception&) {
-        return Corrupt(what);
-      }
-    }
+    ASSIGN_OR_RETURN(StepRecord step, DecodeStep(key, value));
     steps.push_back(std::move(step));
   }
   return steps;
 }
 
 absl::StatusOr<std::optional<StepRecord>> Store::FindStep(int64_t step) const {
-  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
-  for (const StepRecord& s : steps) {
-    if (s.step == step) return s;
-  }
-  return std::nullopt;
+  // One record, not a scan: a peer asks for a step at every call.
+  const std::string key = StepKey(step);
+  ASSIGN_OR_RETURN(std::optional<std::string> value,
+                   catalog_->Get(Table::kSteps, key));
+  if (!value) return std::nullopt;
+  return DecodeStep(key, *value);
 }
 
 absl::StatusOr<StepRecord> Store::ResolveStep(
