@@ -373,8 +373,7 @@ void ClusterMember::ReleaseWhenAllFinished() {
   // Anything kept for peers shows as a second holding of a step.
   std::set<int64_t> steps;
   bool kept = false;
-  for (const nlohmann::json& h : holdings_)
-    kept |= !steps.insert(h.value("step", int64_t{0})).second;
+  for (const HostHolding& h : holdings_) kept |= !steps.insert(h.step).second;
   if (!kept) return;
   const Job::Progress mine = job_.progress();
   if (mine.state != "ready") return;
@@ -461,13 +460,13 @@ void ClusterMember::RecordProgress() {
     if (!blobs.ok() || !holdings.ok()) return;
     bytes_held_ = 0;
     for (const auto& [name, blob] : *blobs) bytes_held_ += blob.size;
-    holdings_ = HoldingsToJson(*holdings);
+    holdings_ = *std::move(holdings);
     bytes_held_key_ = key;
   }
   progress["bytes_held"] = bytes_held_;
   // What this host holds of each step, for a host that checks a config
   // leaving some host out (CheckCoverage).
-  progress["holds"] = holdings_;
+  progress["holds"] = HoldingsToJson(holdings_);
   std::string value =
       progress.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   {

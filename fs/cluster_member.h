@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "fs/cluster_coverage.h"
 #include "fs/job.h"
 #include "nlohmann/json.hpp"
 #include "transfer/cluster_file.h"
@@ -119,7 +120,7 @@ class ClusterMember {
   // need no lock. The store's blob bytes, counted for the job's state
   // `bytes_held_key_`.
   int64_t bytes_held_ = 0;
-  nlohmann::json holdings_;  // HoldingsToJson of this host's store
+  std::vector<HostHolding> holdings_;  // what this host's store holds
   std::string bytes_held_key_;
   std::unique_ptr<EtcdClient::Watch> watch_;
   // The other hosts: a client each for the checks and one for bytes (with

@@ -494,65 +494,62 @@ absl::StatusOr<std::set<std::string>> Store::BlobsInUse() const {
   return uses;
 }
 
-absl::Status Store::DeleteStep(int64_t step) {
-  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
-  std::set<std::string> mine, others;
-  bool found = false;
-  for (const StepRecord& s : steps) {
-    found |= s.step == step;
-    RETURN_IF_ERROR(AddBlobsOf(*this, s, s.step == step ? mine : others));
-  }
-  if (!found) return absl::NotFoundError(absl::StrCat("no step ", step));
-  Catalog::Batch batch;
-  batch.Delete(Table::kSteps, StepKey(step));
-  for (const StepRecord& s : steps) {
-    if (s.step != step) continue;
-    for (int g = 0; g < s.groups; ++g) {
-      if (s.holds(g)) batch.Delete(Table::kShards, ShardKey(step, g));
-    }
-  }
+absl::StatusOr<int> Store::CommitFreeing(Catalog::Batch& batch,
+                                         const std::set<std::string>& dropped,
+                                         const std::set<std::string>& kept) {
   std::vector<std::string> freed;
-  for (const std::string& blob : mine) {
-    if (others.contains(blob)) continue;
+  for (const std::string& blob : dropped) {
+    if (kept.contains(blob)) continue;
     batch.Delete(Table::kBlobs, blob);
     freed.push_back(blob);
   }
   RETURN_IF_ERROR(catalog_->Commit(batch));
-  // A crash here leaves orphans, which the next open removes.
-  for (const std::string& blob : freed) unlink(BlobPath(blob).c_str());
-  return absl::OkStatus();
-}
-
-absl::StatusOr<int> Store::ReleaseRetained() {
-  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
-  if (std::none_of(steps.begin(), steps.end(),
-                   [](const StepRecord& s) { return !s.retained.empty(); })) {
-    return 0;
-  }
-  std::set<std::string> before, after;
-  Catalog::Batch batch;
-  for (StepRecord& s : steps) {
-    RETURN_IF_ERROR(AddBlobsOf(*this, s, before));
-    if (s.retained.empty()) {
-      RETURN_IF_ERROR(AddBlobsOf(*this, s, after));
-      continue;
-    }
-    s.retained.clear();
-    RETURN_IF_ERROR(AddBlobsOf(*this, s, after));
-    batch.Put(Table::kSteps, StepKey(s.step), EncodeStep(s));
-  }
-  std::vector<std::string> freed;
-  for (const std::string& blob : before) {
-    if (after.contains(blob)) continue;
-    batch.Delete(Table::kBlobs, blob);
-    freed.push_back(blob);
-  }
-  RETURN_IF_ERROR(catalog_->Commit(batch));
+  // A crash here leaves orphans, which the next writable open removes.
   int removed = 0;
   for (const std::string& blob : freed)
     removed += unlink(BlobPath(blob).c_str()) == 0 ? 1 : 0;
   if (removed > 0) RETURN_IF_ERROR(SyncDir(blob_dir()));
   return removed;
+}
+
+absl::Status Store::DeleteStep(int64_t step) {
+  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
+  std::set<std::string> mine, others;
+  Catalog::Batch batch;
+  bool found = false;
+  for (const StepRecord& s : steps) {
+    RETURN_IF_ERROR(AddBlobsOf(*this, s, s.step == step ? mine : others));
+    if (s.step != step) continue;
+    found = true;
+    batch.Delete(Table::kSteps, StepKey(step));
+    for (int g = 0; g < s.groups; ++g) {
+      if (s.holds(g)) batch.Delete(Table::kShards, ShardKey(step, g));
+    }
+  }
+  if (!found) return absl::NotFoundError(absl::StrCat("no step ", step));
+  return CommitFreeing(batch, mine, others).status();
+}
+
+absl::StatusOr<int> Store::ReleaseRetained() {
+  ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
+  // The retained shards' blobs go, but for those a step still names.
+  std::set<std::string> retained, kept;
+  Catalog::Batch batch;
+  bool any = false;
+  for (StepRecord& s : steps) {
+    for (const RetainedShards& r : s.retained) {
+      for (const auto& [g, shard] : r.groups)
+        retained.insert(shard.blobs.begin(), shard.blobs.end());
+    }
+    if (!s.retained.empty()) {
+      any = true;
+      s.retained.clear();
+      batch.Put(Table::kSteps, StepKey(s.step), EncodeStep(s));
+    }
+    RETURN_IF_ERROR(AddBlobsOf(*this, s, kept));
+  }
+  if (!any) return 0;
+  return CommitFreeing(batch, retained, kept);
 }
 
 absl::StatusOr<std::map<std::string, DatasetRecord>> Store::Datasets() const {

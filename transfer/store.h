@@ -210,6 +210,11 @@ class Store {
  private:
   Store() = default;
   absl::Status Load();
+  // Drops the records of the blobs in `dropped` but not in `kept` within
+  // `batch`, commits it, and then removes their files; returns how many.
+  absl::StatusOr<int> CommitFreeing(Catalog::Batch& batch,
+                                    const std::set<std::string>& dropped,
+                                    const std::set<std::string>& kept);
   absl::Status RemoveOrphans(const std::map<std::string, BlobRecord>& blobs,
                              bool even_all);
   absl::Status AddChunkSums(std::map<std::string, BlobRecord> blobs);

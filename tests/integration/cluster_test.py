@@ -501,6 +501,8 @@ def cut_while_materializing(net, mnts, full, config):
     finally:
         net.link("h1", True)
     wait_all(mnts, moved, timeout=90)
+    for m in mnts.values():  # h1's lease ran out while it was cut off
+        wait_live(m, HOSTS)
     check_fetched(mnts, before, split, moved)
     check_bytes(mnts["h0"], full, moved, LAYERS, DIVISOR)
     print(f"h1 cut off while h0 fetched stage 1 from it: failed ({s['error'][:60]}...), "
