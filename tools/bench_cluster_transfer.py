@@ -82,7 +82,7 @@ def fetched(mnts):
 
 
 def main():
-    with tempfile.TemporaryDirectory(dir="/var/tmp") as tmp:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("SCALAI_BENCH_DIR", "/var/tmp")) as tmp:
         net = Network(["e0"] + HOSTS)
         mnts = {h: f"{tmp}/mnt-{h}" for h in HOSTS}
         try:

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -14,6 +15,7 @@
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
+#include "transfer/fetch_ahead.h"
 #include "transfer/mapping_guard.h"
 #include "transfer/step_view.h"
 #include "transfer/write_behind.h"
@@ -131,6 +133,9 @@ class BlobWriter {
 // Bytes fetched from other hosts at a time: a few messages of the peer
 // stream, so that a long remote piece is written as it arrives.
 constexpr int64_t kFetchBytes = 4 << 20;
+// Pieces in flight while the last is written: enough to keep the network
+// busy while the disk takes one (and to spread over the peers holding it).
+constexpr int kFetchDepth = 4;
 
 // Where a blob's sources are that this host does not hold, and how many
 // bytes came from there.
@@ -149,32 +154,45 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
   BlobWriter writer(std::move(out), path);
   RETURN_IF_ERROR(writer.Append(job.header.data(), job.header.size()));
   const std::vector<TensorShard>& shards = view.placement().shards(job.group);
-  UnchangedBlobs unchanged;
+  // Every shard's sources first, so that the pieces held by other hosts are
+  // fetched ahead of the writes, in the order they are written.
+  std::vector<std::vector<Segment>> sources;
+  std::vector<FetchAhead::Range> remote_pieces;
+  const Placement& from = view.plan().from();
   for (int k : job.shards) {
-    RETURN_IF_ERROR(CheckCancel(cancel));
-    ASSIGN_OR_RETURN(std::vector<Segment> segments,
+    ASSIGN_OR_RETURN(sources.emplace_back(),
                      view.plan().Resolve(job.group, k, 0, shards[k].bytes));
+    for (const Segment& seg : sources.back()) {
+      if (!seg.src.valid() || view.stored().holds(seg.src.group)) continue;
+      if (fetcher.remote == nullptr) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("step ", step, ": shard group ", seg.src.group, " of ",
+                         from.config().ToString(), " is not held here"));
+      }
+      for (int64_t at = 0; at < seg.length; at += kFetchBytes) {
+        remote_pieces.push_back(
+            {seg.src, from.shards(seg.src.group)[seg.src.shard].bytes,
+             seg.src_offset + at, std::min(kFetchBytes, seg.length - at)});
+      }
+    }
+  }
+  std::optional<FetchAhead> ahead;
+  if (!remote_pieces.empty()) {
+    ahead.emplace(*fetcher.remote, step, from.config().ToString(),
+                  std::move(remote_pieces), kFetchDepth);
+  }
+  UnchangedBlobs unchanged;
+  for (const std::vector<Segment>& segments : sources) {
+    RETURN_IF_ERROR(CheckCancel(cancel));
     int64_t since_check = 0;
-    std::unique_ptr<char[]> fetched;
     for (const Segment& seg : segments) {
       if (seg.src.valid() && !view.stored().holds(seg.src.group)) {
-        if (fetcher.remote == nullptr) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "step ", step, ": shard group ", seg.src.group, " of ",
-              view.plan().from().config().ToString(), " is not held here"));
-        }
-        if (!fetched) fetched.reset(new char[kFetchBytes]);
-        const std::string from = view.plan().from().config().ToString();
         for (int64_t at = 0; at < seg.length; at += kFetchBytes) {
           RETURN_IF_ERROR(CheckCancel(cancel));
           const int64_t n = std::min(kFetchBytes, seg.length - at);
-          RETURN_IF_ERROR(fetcher.remote->Read(
-              step, from, seg.src,
-              view.plan().from().shards(seg.src.group)[seg.src.shard].bytes,
-              seg.src_offset + at, n, fetched.get(),
-              RemoteBytes::Access::kExact));
+          ASSIGN_OR_RETURN(const char* fetched, ahead->Next());
           fetcher.fetched += n;
-          RETURN_IF_ERROR(writer.Append(fetched.get(), n));
+          RETURN_IF_ERROR(writer.Append(fetched, n));
         }
       } else if (seg.src.valid()) {
         // A corrupt source is never copied into a blob with a fresh

@@ -9,38 +9,115 @@
 
 namespace scalai {
 
+PeerBytes::PeerBytes(Peers peers, Options options)
+    : peers_(std::move(peers)), options_(options) {
+  for (int i = 0; i < options_.read_ahead_threads; ++i) {
+    readers_.emplace_back([this] { ReadAhead(); });
+  }
+}
+
+PeerBytes::~PeerBytes() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    ahead_.clear();
+  }
+  changed_.notify_all();
+  for (std::thread& t : readers_) t.join();
+}
+
+std::shared_ptr<PeerBytes::Block> PeerBytes::Find(int64_t step,
+                                                  const std::string& config,
+                                                  ShardRef shard,
+                                                  int64_t shard_bytes,
+                                                  int64_t index) const {
+  BlockKey key{step, config, shard.group, shard.shard, index};
+  for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
+    if ((*it)->key != key) continue;
+    blocks_.splice(blocks_.begin(), blocks_, it);  // the newest now
+    return blocks_.front();
+  }
+  auto block = std::make_shared<Block>();
+  block->key = std::move(key);
+  block->shard = shard;
+  block->begin = index * options_.block_bytes;
+  block->bytes.resize(static_cast<size_t>(
+      std::min(block->begin + options_.block_bytes, shard_bytes) - block->begin));
+  blocks_.push_front(block);
+  if (blocks_.size() > options_.cache_blocks) {
+    blocks_.back()->evicted = true;
+    blocks_.pop_back();
+  }
+  return block;
+}
+
+absl::Status PeerBytes::Await(const std::shared_ptr<Block>& block) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!block->claimed) {
+    block->claimed = true;
+    lock.unlock();
+    const auto& [step, config, group, shard, index] = block->key;
+    absl::Status fetched =
+        Fetch(step, config, block->shard, block->begin,
+              static_cast<int64_t>(block->bytes.size()), block->bytes.data());
+    lock.lock();
+    block->status = std::move(fetched);
+    block->done = true;
+    changed_.notify_all();
+  }
+  changed_.wait(lock, [&] { return block->done; });
+  if (block->status.ok()) return absl::OkStatus();
+  blocks_.remove(block);  // asked again by the next read
+  return block->status;
+}
+
+void PeerBytes::ReadAhead() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    changed_.wait(lock, [&] { return stopping_ || !ahead_.empty(); });
+    if (stopping_) return;
+    std::shared_ptr<Block> block = std::move(ahead_.front());
+    ahead_.pop_front();
+    if (block->claimed || block->evicted) continue;
+    lock.unlock();
+    Await(block).IgnoreError();  // a reader that needs it sees the error
+    lock.lock();
+  }
+}
+
 absl::Status PeerBytes::Read(int64_t step, const std::string& config,
                              ShardRef shard, int64_t shard_bytes,
                              int64_t offset, int64_t length, char* out,
                              Access access) const {
   if (access == Access::kExact)
     return Fetch(step, config, shard, offset, length, out);
+  const int64_t blocks = (shard_bytes + options_.block_bytes - 1) / options_.block_bytes;
   for (int64_t at = offset; at < offset + length;) {
-    const int64_t index = at / kBlockBytes;
-    const int64_t begin = index * kBlockBytes;
-    const int64_t end = std::min(begin + kBlockBytes, shard_bytes);
-    const BlockKey key{step, config, shard.group, shard.shard, index};
-    std::shared_ptr<const std::string> block;
+    const int64_t index = at / options_.block_bytes;
+    std::shared_ptr<Block> block;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
-        if (it->first != key) continue;
-        block = it->second;
-        blocks_.splice(blocks_.begin(), blocks_, it);  // the newest now
-        break;
+      block = Find(step, config, shard, shard_bytes, index);
+      for (int64_t next = index + 1;
+           next <= index + options_.read_ahead_blocks && next < blocks; ++next) {
+        std::shared_ptr<Block> later =
+            Find(step, config, shard, shard_bytes, next);
+        if (later->claimed || later->queued) continue;
+        later->queued = true;
+        ahead_.push_back(std::move(later));
       }
+      // Find() made the later blocks the newest: this one stays cached
+      // while it is read.
+      Find(step, config, shard, shard_bytes, index);
     }
-    if (block == nullptr) {
-      auto fetched = std::make_shared<std::string>(end - begin, '\0');
-      RETURN_IF_ERROR(
-          Fetch(step, config, shard, begin, end - begin, fetched->data()));
-      block = fetched;
-      std::lock_guard<std::mutex> lock(mu_);
-      blocks_.emplace_front(key, block);
-      if (blocks_.size() > kCacheBlocks) blocks_.pop_back();
-    }
-    const int64_t n = std::min(end, offset + length) - at;
-    std::memcpy(out + (at - offset), block->data() + (at - begin), n);
+    changed_.notify_all();
+    RETURN_IF_ERROR(Await(block));
+    const int64_t n =
+        std::min(block->begin + static_cast<int64_t>(block->bytes.size()),
+                 offset + length) -
+        at;
+    std::memcpy(out + (at - offset), block->bytes.data() + (at - block->begin),
+                n);
     at += n;
   }
   return absl::OkStatus();
@@ -55,7 +132,7 @@ absl::Status PeerBytes::Fetch(int64_t step, const std::string& config,
   const size_t start =
       peers.empty() ? 0
                     : static_cast<size_t>(shard.group * 131 + shard.shard +
-                                          offset / (4 << 20)) %
+                                          offset / options_.block_bytes) %
                           peers.size();
   std::vector<std::string> errors;
   int64_t done = 0;

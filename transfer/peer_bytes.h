@@ -5,18 +5,23 @@
 // start at different peers for different ranges, so that replicas on
 // several hosts share the load. Cached reads fetch whole 4 MiB blocks and
 // keep the last kCacheBlocks of them, so that a worker reading a file front
-// to back through the mount (128 KiB at a time) costs one call per block.
+// to back through the mount (1 MiB at a time) costs one call per block; the
+// next kReadAheadBlocks blocks are fetched in the background meanwhile, so
+// that such a reader rarely waits for the network.
 //
 //   PeerBytes remote([&] { return live_peers(); });
 //   ASSIGN_OR_RETURN(auto view, StepView::Create(store, step, config, &remote));
 #ifndef SCALAI_TRANSFER_PEER_BYTES_H_
 #define SCALAI_TRANSFER_PEER_BYTES_H_
 
+#include <condition_variable>
+#include <deque>
 #include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -28,12 +33,24 @@ namespace scalai {
 
 class PeerBytes : public RemoteBytes {
  public:
-  static constexpr int64_t kBlockBytes = 4 << 20;
-  static constexpr size_t kCacheBlocks = 16;
+  struct Options {
+    // What a cached read fetches at a time, and how many such blocks are
+    // kept.
+    int64_t block_bytes = 4 << 20;
+    size_t cache_blocks = 16;
+    // Blocks after the one read that are fetched in the background, by
+    // this many threads (each a call in flight).
+    int64_t read_ahead_blocks = 4;
+    int read_ahead_threads = 3;
+  };
 
   // The peers to ask, called at each read; they outlive the read.
   using Peers = std::function<std::vector<PeerClient*>()>;
-  explicit PeerBytes(Peers peers) : peers_(std::move(peers)) {}
+  explicit PeerBytes(Peers peers) : PeerBytes(std::move(peers), Options()) {}
+  PeerBytes(Peers peers, Options options);
+  // Waits for the blocks being read ahead (each bounded by the peers'
+  // deadlines).
+  ~PeerBytes() override;
 
   absl::Status Read(int64_t step, const std::string& config, ShardRef shard,
                     int64_t shard_bytes, int64_t offset, int64_t length,
@@ -46,10 +63,37 @@ class PeerBytes : public RemoteBytes {
 
   // A block of a shard: (step, config, group, shard, block index).
   using BlockKey = std::tuple<int64_t, std::string, int, int, int64_t>;
+  // A cached block: fetched by whoever claims it first, a reader or the
+  // read-ahead thread; the others wait for it. Fields guarded by mu_.
+  struct Block {
+    BlockKey key;
+    ShardRef shard;
+    int64_t begin = 0;
+    std::string bytes;
+    bool queued = false;  // to be read ahead
+    bool claimed = false;
+    bool done = false;
+    bool evicted = false;  // left the cache: read ahead no more
+    absl::Status status;   // once done
+  };
+  // The cached block `index` of a shard, added (unclaimed) if missing.
+  // Requires mu_.
+  std::shared_ptr<Block> Find(int64_t step, const std::string& config,
+                              ShardRef shard, int64_t shard_bytes,
+                              int64_t index) const;
+  // Fetches the block if nobody claimed it yet, else waits until it is
+  // fetched; a failed block leaves the cache, to be asked again.
+  absl::Status Await(const std::shared_ptr<Block>& block) const;
+  void ReadAhead();  // the read-ahead thread
+
   Peers peers_;
-  mutable std::mutex mu_;  // guards the cache
-  mutable std::list<std::pair<BlockKey, std::shared_ptr<const std::string>>>
-      blocks_;  // newest first
+  const Options options_;
+  mutable std::mutex mu_;  // guards the cache and the read-ahead queue
+  mutable std::condition_variable changed_;  // a block done, or work queued
+  mutable std::list<std::shared_ptr<Block>> blocks_;  // newest first
+  mutable std::deque<std::shared_ptr<Block>> ahead_;  // blocks to read ahead
+  bool stopping_ = false;
+  std::vector<std::thread> readers_;  // read ahead
 };
 
 }  // namespace scalai

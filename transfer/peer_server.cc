@@ -156,9 +156,10 @@ class PeerServer::Service final : public peer::Peer::Service {
           "bytes [", offset, ", +", length, ") of a ", size, "-byte tensor")));
     }
     // The longest prefix of the range this host holds, in chunks: each
-    // chunk is read from whichever of its views holds the next bytes.
-    std::string buffer;
+    // chunk is read from whichever of its views holds the next bytes,
+    // straight into the message.
     peer::Chunk chunk;
+    std::string& buffer = *chunk.mutable_data();
     for (int64_t at = 0; at < length;) {
       if (ctx->IsCancelled()) {
         return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
@@ -178,7 +179,7 @@ class PeerServer::Service final : public peer::Peer::Service {
         }
       }
       if (held > 0) {
-        chunk.set_data(buffer.data(), static_cast<size_t>(held));
+        buffer.resize(static_cast<size_t>(held));
         if (!writer->Write(chunk)) {
           return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
         }

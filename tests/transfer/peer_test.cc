@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tests/store_fixture.h"
+#include "transfer/fetch_ahead.h"
 #include "transfer/fsck.h"
 #include "transfer/materializer.h"
 #include "transfer/peer_bytes.h"
@@ -111,6 +112,104 @@ TEST_F(PeerTest, ServesEveryTensorOfEveryRankAsCutDirectly) {
   EXPECT_EQ(server->counters().bytes_served.at("h1"), fetched);
   EXPECT_EQ(server->counters().refused, 0);
   EXPECT_TRUE(client.reachable());
+}
+
+// Cached reads in small blocks: read front to back in pieces that straddle
+// blocks, every byte crosses once (the blocks read ahead are the ones read
+// next), and read back to front, from blocks fetched anew, the bytes are
+// the same.
+TEST_F(PeerTest, CachedReadsFetchEachBlockOnceAndReturnTheCutBytes) {
+  std::unique_ptr<PeerServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  PeerClient client = Client(*server);
+  PeerBytes::Options o;
+  o.block_bytes = 2048;
+  o.cache_blocks = 6;
+  o.read_ahead_blocks = 3;
+  o.read_ahead_threads = 2;
+  PeerBytes remote([&] { return std::vector<PeerClient*>{&client}; }, o);
+  const ParallelConfig config = *ParallelConfig::Parse("tp=4,pp=1,dp=1");
+  const Placement p = *Placement::Create(layout_, model_, config);
+  const int group = config.ShardGroup(1);
+  int64_t total = 0;
+  for (size_t k = 0; k < p.shards(group).size(); ++k) {
+    const int64_t bytes = p.shards(group)[k].bytes;
+    const std::string want = DirectCut(config, 1, static_cast<int>(k));
+    std::string got(bytes, '\0');
+    for (int64_t at = 0; at < bytes; at += 1000) {
+      const int64_t n = std::min<int64_t>(1000, bytes - at);
+      absl::Status read = remote.Read(
+          42, config.ToString(), {group, static_cast<int>(k)}, bytes, at, n,
+          got.data() + at, RemoteBytes::Access::kCached);
+      ASSERT_TRUE(read.ok()) << read;
+    }
+    ASSERT_EQ(got, want) << p.shards(group)[k].local_name;
+    total += bytes;
+  }
+  EXPECT_EQ(client.bytes_fetched(), total);
+  const int64_t last = static_cast<int64_t>(p.shards(group).size()) - 1;
+  const int64_t bytes = p.shards(group)[last].bytes;
+  ASSERT_GT(bytes, 4 * o.block_bytes);
+  const std::string want = DirectCut(config, 1, static_cast<int>(last));
+  std::string got(bytes, '\0');
+  for (int64_t end = bytes; end > 0; end -= 3000) {
+    const int64_t at = std::max<int64_t>(0, end - 3000);
+    ASSERT_TRUE(remote
+                    .Read(42, config.ToString(),
+                          {group, static_cast<int>(last)}, bytes, at, end - at,
+                          got.data() + at, RemoteBytes::Access::kCached)
+                    .ok());
+  }
+  EXPECT_EQ(got, want);
+}
+
+// Pieces fetched ahead come back in order, each with its own bytes, however
+// many are in flight; a piece no host holds fails at its turn, after the
+// ones before it arrived whole.
+TEST_F(PeerTest, FetchAheadReturnsPiecesInOrderAndFailsAtTheMissingOne) {
+  std::unique_ptr<PeerServer> server = StartServer();
+  ASSERT_NE(server, nullptr);
+  PeerClient client = Client(*server);
+  PeerBytes remote([&] { return std::vector<PeerClient*>{&client}; });
+  const ParallelConfig config = *ParallelConfig::Parse("tp=2,pp=1,dp=1");
+  const Placement p = *Placement::Create(layout_, model_, config);
+  std::vector<FetchAhead::Range> ranges;
+  std::vector<std::string> want;
+  for (int rank : {1, 0}) {
+    const int g = config.ShardGroup(rank);
+    for (size_t k = 0; k < p.shards(g).size(); ++k) {
+      const int64_t bytes = p.shards(g)[k].bytes;
+      const std::string cut = DirectCut(config, rank, static_cast<int>(k));
+      for (int64_t at = 0; at < bytes; at += 5000) {
+        const int64_t n = std::min<int64_t>(5000, bytes - at);
+        ranges.push_back({{g, static_cast<int>(k)}, bytes, at, n});
+        want.push_back(cut.substr(at, n));
+      }
+    }
+  }
+  for (int depth : {1, 4}) {
+    FetchAhead ahead(remote, 42, config.ToString(), ranges, depth);
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      absl::StatusOr<const char*> got = ahead.Next();
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_EQ(std::string(*got, ranges[i].length), want[i]) << i;
+    }
+    EXPECT_FALSE(ahead.Next().ok());
+  }
+  // The third piece lies past its shard's end: no host holds it.
+  std::vector<FetchAhead::Range> broken(ranges.begin(), ranges.begin() + 6);
+  broken[2].offset = broken[2].shard_bytes;
+  FetchAhead ahead(remote, 42, config.ToString(), broken, 3);
+  for (int i = 0; i < 2; ++i) {
+    absl::StatusOr<const char*> got = ahead.Next();
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(std::string(*got, broken[i].length), want[i]);
+  }
+  absl::StatusOr<const char*> got = ahead.Next();
+  ASSERT_FALSE(got.ok());
+  EXPECT_NE(got.status().message().find("held by no reachable host"),
+            std::string::npos)
+      << got.status();
 }
 
 TEST_F(PeerTest, FilesOfTheMountAreReadToTheirEndOrRefused) {
