@@ -243,6 +243,7 @@ def main():
             config = host_killed(r, net, mnts, mount, mounts, full, config, tmp)
             config = partitioned(r, net, mnts, full, config)
             config = cut_while_materializing(net, mnts, full, config)
+            config = killed_while_fetching(net, mnts, mount, mounts, full, config, tmp)
             config = host_lost(mnts, mount, mounts, full, config, tmp)
             intruder(net, mnts, mounts, tmp)
             config = host_leaves(r, mnts, mount, mounts, full, config)
@@ -508,6 +509,52 @@ def cut_while_materializing(net, mnts, full, config):
     print(f"h1 cut off while h0 fetched stage 1 from it: failed ({s['error'][:60]}...), "
           "finished once h1 was back")
     return moved
+
+
+def killed_while_fetching(net, mnts, mount, mounts, full, config, tmp):
+    """h0's mount SIGKILLed halfway through a materialization in which h0
+    and h1 swap pipeline stages (each fetching the other's, the links slowed
+    so that the kill lands mid-way): h1's fetches from h0 fail and say so;
+    h0, mounted again, finishes its own, and h1's is retried and finishes;
+    every host ends on the config with the cut bytes (fsck at the end)."""
+    assert config == "tp=2,pp=2,dp=1,hosts=h1+h0", config
+    for h in HOSTS:
+        wait_released(mnts["h0"], h, config)
+    swapped = "tp=2,pp=2,dp=1,hosts=h0+h1"
+    for h in ("h0", "h1"):
+        net.throttle(h, "2mbit")
+    try:
+        assert write_config(mnts["h3"], swapped) == 0, status(mnts["h3"])
+        deadline = time.time() + 60
+        while True:
+            s = status(mnts["h0"])
+            if s["config"] == swapped and s["state"] == "materializing" and s["bytes_moved"] > 0:
+                break
+            assert s["state"] != "ready" or s["config"] != swapped, "finished before the kill"
+            assert time.time() < deadline, s
+            time.sleep(0.02)
+        kill_host("h0", mnts, mounts, tmp)
+        print(f"h0 killed with {s['bytes_moved']} of {s['bytes_to_move']} bytes materialized")
+        deadline = time.time() + 60
+        while True:
+            s = status(mnts["h1"])
+            if s["state"] == "failed":
+                break
+            assert s["state"] != "ready", "h1 finished without h0's bytes"
+            assert time.time() < deadline, s
+            time.sleep(0.1)
+        assert "held by no reachable host" in s["error"], s["error"]
+    finally:
+        for h in ("h0", "h1"):
+            net.throttle(h, None)
+    wait_live(mnts["h1"], ["h1", "h2", "h3"])
+    mount("h0")
+    wait_all(mnts, swapped, timeout=90)
+    for h in HOSTS:
+        check_bytes(mnts[h], full, swapped, LAYERS, DIVISOR)
+    print(f"h0 killed while fetching stage 0 from h1: h1 failed ({s['error'][:60]}...); "
+          "h0 mounted again, both finished")
+    return swapped
 
 
 def kill_host(h, mnts, mounts, tmp):
