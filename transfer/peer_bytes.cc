@@ -42,7 +42,8 @@ std::shared_ptr<PeerBytes::Block> PeerBytes::Find(int64_t step,
   block->shard = shard;
   block->begin = index * options_.block_bytes;
   block->bytes.resize(static_cast<size_t>(
-      std::min(block->begin + options_.block_bytes, shard_bytes) - block->begin));
+      std::min(block->begin + options_.block_bytes, shard_bytes) -
+      block->begin));
   blocks_.push_front(block);
   if (blocks_.size() > options_.cache_blocks) {
     blocks_.back()->evicted = true;
@@ -91,7 +92,8 @@ absl::Status PeerBytes::Read(int64_t step, const std::string& config,
                              Access access) const {
   if (access == Access::kExact)
     return Fetch(step, config, shard, offset, length, out);
-  const int64_t blocks = (shard_bytes + options_.block_bytes - 1) / options_.block_bytes;
+  const int64_t blocks =
+      (shard_bytes + options_.block_bytes - 1) / options_.block_bytes;
   for (int64_t at = offset; at < offset + length;) {
     const int64_t index = at / options_.block_bytes;
     std::shared_ptr<Block> block;
@@ -99,7 +101,8 @@ absl::Status PeerBytes::Read(int64_t step, const std::string& config,
       std::lock_guard<std::mutex> lock(mu_);
       block = Find(step, config, shard, shard_bytes, index);
       for (int64_t next = index + 1;
-           next <= index + options_.read_ahead_blocks && next < blocks; ++next) {
+           next <= index + options_.read_ahead_blocks && next < blocks;
+           ++next) {
         std::shared_ptr<Block> later =
             Find(step, config, shard, shard_bytes, next);
         if (later->claimed || later->queued) continue;
