@@ -10,6 +10,7 @@ one process start included, and the single-host switch (the same write on a
 mount without --cluster).
 
     sudo /usr/bin/python3 tools/bench_cluster.py build/tools/scalai [ROUNDS]"""
+import json
 import os
 import statistics
 import subprocess
@@ -26,6 +27,9 @@ ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 20
 HOSTS = ["h0", "h1", "h2", "h3"]
 MODEL = "layers=8,hidden=512,heads=8,groups=8,vocab=4000"
 CONFIGS = ["tp=2,pp=2,dp=1", "tp=4,pp=1,dp=2"]
+# The cluster's configs place the ranks on the hosts: one rank each, then
+# two (each host materializes only its own ranks, as on separate machines).
+PLACED = [c + ",hosts=" + "+".join(HOSTS) for c in CONFIGS]
 
 
 def write_config(mnt, config):
@@ -60,6 +64,38 @@ def switch_times(mnts, writer, config):
     return wrote - start, max(seen.values()) - start
 
 
+def wait_settled(mnts, config, timeout=120):
+    """Every mount has materialized `config`; in a cluster, every host has
+    also released what it kept for its peers."""
+    deadline = time.time() + timeout
+    while True:
+        done = True
+        for m in mnts.values():
+            with open(f"{m}/status") as f:
+                s = json.load(f)
+            done &= s["config"] == config and s["state"] == "ready"
+            for h in s.get("cluster", {}).get("hosts", []):
+                done &= (h.get("config") == config and h.get("state") == "ready" and
+                         len({e["step"] for e in h.get("holds", [])}) == len(h.get("holds", [])))
+        if done:
+            return
+        if time.time() > deadline:
+            raise SystemExit(f"the mounts did not settle on {config}")
+        time.sleep(0.01)
+
+
+def wait_live(mnts, timeout=60):
+    deadline = time.time() + timeout
+    while True:
+        with open(f"{mnts['h0']}/status") as f:
+            hosts = json.load(f)["cluster"]["hosts"]
+        if len(hosts) == len(HOSTS) and all(h["live"] for h in hosts):
+            return
+        if time.time() > deadline:
+            raise SystemExit("the hosts did not all come up")
+        time.sleep(0.05)
+
+
 def ms(xs):
     return f"median {statistics.median(xs) * 1000:.1f} ms, max {max(xs) * 1000:.1f} ms"
 
@@ -86,21 +122,28 @@ def main():
             single = f"{tmp}/mnt-single"
             subprocess.run([BIN, "mount", f"{tmp}/store-single", single], check=True,
                            capture_output=True)
+            wait_live(mnts)
+            write_config(mnts["h0"], PLACED[0])  # each host keeps its own ranks
+            wait_settled(mnts, PLACED[0])
             wrote, everywhere, alone, put = [], [], [], []
             for i in range(ROUNDS):
-                config = CONFIGS[(i + 1) % 2]
+                config = PLACED[(i + 1) % 2]
                 w, e = switch_times(mnts, HOSTS[i % 4], config)
                 wrote.append(w)
                 everywhere.append(e)
+                # Timed on a quiet machine: the four hosts share its two
+                # cores and one disk, where a real cluster's each have their
+                # own, so the next round waits for this one's writes.
+                wait_settled(mnts, config)
                 start = time.perf_counter()
-                write_config(single, config)
+                write_config(single, CONFIGS[(i + 1) % 2])
                 alone.append(time.perf_counter() - start)
+                wait_settled({"single": single}, CONFIGS[(i + 1) % 2])
                 start = time.perf_counter()
                 etcd.ctl("h0", "put", "/bench/key", str(i))
                 put.append(time.perf_counter() - start)
-                time.sleep(0.3)  # let materialization of the small model settle
             print(f"rounds: {ROUNDS}, model {MODEL} (bf16), "
-                  f"configs {CONFIGS[0]} <-> {CONFIGS[1]}")
+                  f"configs {PLACED[0]} <-> {PLACED[1]} (single host: without hosts=)")
             print(f"cluster write() returned:       {ms(wrote)}")
             print(f"every host of 4 switched:       {ms(everywhere)}")
             print(f"single-host write() (no etcd):  {ms(alone)}")
