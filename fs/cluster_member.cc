@@ -540,7 +540,8 @@ nlohmann::json ClusterMember::StatusSection() {
                       {"hosts", hosts},
                       {"peer_calls_refused", counters.refused},
                       {"peer_calls_failed", counters.failed},
-                      {"bytes_served", served}};
+                      {"bytes_served", served},
+                      {"bytes_reused", remote_->bytes_reused()}};
   if (!etcd_error_.empty()) j["etcd_error"] = etcd_error_;
   // Each other host as this one last reached it.
   nlohmann::json peers = nlohmann::json::object();

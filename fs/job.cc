@@ -213,6 +213,9 @@ absl::Status Job::PublishStep(int64_t step) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(saves_->Commit(step));
+    // A step number used before (the old step deleted) must not be read
+    // from what peers sent of the old one.
+    if (holding_.remote != nullptr) holding_.remote->Forget(step);
     ApplyRetentionLocked();
     RETURN_IF_ERROR(CheckGenerationLocked());
     ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,

@@ -86,12 +86,67 @@ void PeerBytes::ReadAhead() {
   }
 }
 
+void PeerBytes::Forget(int64_t step) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  // A block being fetched finishes for its readers but is found no more.
+  for (auto it = blocks_.begin(); it != blocks_.end();) {
+    if (std::get<0>((*it)->key) != step) {
+      ++it;
+      continue;
+    }
+    (*it)->evicted = true;
+    it = blocks_.erase(it);
+  }
+}
+
+absl::Status PeerBytes::ReadExact(int64_t step, const std::string& config,
+                                  ShardRef shard, int64_t offset,
+                                  int64_t length, char* out) const {
+  // What a view's reads brought here already is copied, not fetched again:
+  // a byte crosses the network once per host while its block stays cached.
+  int64_t missing_from = -1;  // start of the run not found in the cache
+  auto fetch_missing = [&](int64_t until) -> absl::Status {
+    if (missing_from < 0) return absl::OkStatus();
+    absl::Status s = Fetch(step, config, shard, missing_from,
+                           until - missing_from, out + (missing_from - offset));
+    missing_from = -1;
+    return s;
+  };
+  for (int64_t at = offset; at < offset + length;) {
+    const int64_t index = at / options_.block_bytes;
+    const int64_t end =
+        std::min((index + 1) * options_.block_bytes, offset + length);
+    bool cached = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const BlockKey key{step, config, shard.group, shard.shard, index};
+      for (const std::shared_ptr<Block>& block : blocks_) {
+        if (block->key != key) continue;
+        if (block->done && block->status.ok()) {
+          std::memcpy(out + (at - offset),
+                      block->bytes.data() + (at - block->begin), end - at);
+          cached = true;
+          bytes_reused_.fetch_add(end - at);
+        }
+        break;
+      }
+    }
+    if (cached) {
+      RETURN_IF_ERROR(fetch_missing(at));
+    } else if (missing_from < 0) {
+      missing_from = at;
+    }
+    at = end;
+  }
+  return fetch_missing(offset + length);
+}
+
 absl::Status PeerBytes::Read(int64_t step, const std::string& config,
                              ShardRef shard, int64_t shard_bytes,
                              int64_t offset, int64_t length, char* out,
                              Access access) const {
   if (access == Access::kExact)
-    return Fetch(step, config, shard, offset, length, out);
+    return ReadExact(step, config, shard, offset, length, out);
   const int64_t blocks =
       (shard_bytes + options_.block_bytes - 1) / options_.block_bytes;
   for (int64_t at = offset; at < offset + length;) {

@@ -7,13 +7,16 @@
 // keep the last kCacheBlocks of them, so that a worker reading a file front
 // to back through the mount (1 MiB at a time) costs one call per block; the
 // next kReadAheadBlocks blocks are fetched in the background meanwhile, so
-// that such a reader rarely waits for the network.
+// that such a reader rarely waits for the network. Exact reads (a
+// materialization's) take what cached blocks hold instead of fetching it
+// again.
 //
 //   PeerBytes remote([&] { return live_peers(); });
 //   ASSIGN_OR_RETURN(auto view, StepView::Create(store, step, config, &remote));
 #ifndef SCALAI_TRANSFER_PEER_BYTES_H_
 #define SCALAI_TRANSFER_PEER_BYTES_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -55,8 +58,17 @@ class PeerBytes : public RemoteBytes {
   absl::Status Read(int64_t step, const std::string& config, ShardRef shard,
                     int64_t shard_bytes, int64_t offset, int64_t length,
                     char* out, Access access) const override;
+  void Forget(int64_t step) const override;
+  // Bytes exact reads took from blocks cached for views instead of
+  // fetching them again.
+  int64_t bytes_reused() const { return bytes_reused_.load(); }
 
  private:
+  // The range's bytes: those of blocks already cached copied from them,
+  // the rest fetched exactly.
+  absl::Status ReadExact(int64_t step, const std::string& config,
+                         ShardRef shard, int64_t offset, int64_t length,
+                         char* out) const;
   // Reads exactly the range from the peers.
   absl::Status Fetch(int64_t step, const std::string& config, ShardRef shard,
                      int64_t offset, int64_t length, char* out) const;
@@ -92,6 +104,7 @@ class PeerBytes : public RemoteBytes {
   mutable std::condition_variable changed_;  // a block done, or work queued
   mutable std::list<std::shared_ptr<Block>> blocks_;  // newest first
   mutable std::deque<std::shared_ptr<Block>> ahead_;  // blocks to read ahead
+  mutable std::atomic<int64_t> bytes_reused_{0};
   bool stopping_ = false;
   std::vector<std::thread> readers_;  // read ahead
 };

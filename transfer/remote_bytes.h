@@ -28,6 +28,9 @@ class RemoteBytes {
   virtual absl::Status Read(int64_t step, const std::string& config,
                             ShardRef shard, int64_t shard_bytes, int64_t offset,
                             int64_t length, char* out, Access access) const = 0;
+  // Step `step` was committed (again): what was kept of an earlier step
+  // of that number is dropped, so that no read returns its bytes.
+  virtual void Forget(int64_t step) const = 0;
 };
 
 }  // namespace scalai

@@ -170,9 +170,14 @@ def bytes_lacking(old, new, host):
 
 
 def fetched(mnts):
-    """Tensor bytes each host has fetched from its peers so far."""
-    return {h: sum(p["bytes_fetched"] for p in cluster_status(m)["peers"].values())
-            for h, m in mnts.items()}
+    """Tensor bytes each host has brought from its peers so far: fetched, or
+    taken by a materialization from what its views had fetched before (not
+    fetched twice)."""
+    got = {}
+    for h, m in mnts.items():
+        c = cluster_status(m)
+        got[h] = sum(p["bytes_fetched"] for p in c["peers"].values()) + c["bytes_reused"]
+    return got
 
 
 def check_fetched(mnts, before, old, new):
@@ -235,6 +240,8 @@ def main():
             assert "seen from h2" in text and text.count(" yes ") == 4, text
 
             config = walk(r, mnts, full)
+            # Bytes a view had fetched were not fetched again to be stored.
+            assert any(cluster_status(m)["bytes_reused"] > 0 for m in mnts.values())
             config = refused(mnts, config)
             config = hosted(mnts, full, config)
             for _ in range(4):

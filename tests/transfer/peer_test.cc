@@ -147,6 +147,46 @@ TEST_F(PeerTest, CachedReadsFetchEachBlockOnceAndReturnTheCutBytes) {
     total += bytes;
   }
   EXPECT_EQ(client.bytes_fetched(), total);
+  // An exact read (a materialization's) of what the cache holds fetches
+  // nothing: the last shard's blocks are the ones cached.
+  {
+    const int k = static_cast<int>(p.shards(group).size()) - 1;
+    const int64_t bytes = p.shards(group)[k].bytes;
+    const int64_t tail = 3 * o.block_bytes + 100;
+    std::string got(tail, '\0');
+    ASSERT_TRUE(remote
+                    .Read(42, config.ToString(), {group, k}, bytes,
+                          bytes - tail, tail, got.data(),
+                          RemoteBytes::Access::kExact)
+                    .ok());
+    EXPECT_EQ(got, DirectCut(config, 1, k).substr(bytes - tail));
+    EXPECT_EQ(client.bytes_fetched(), total);
+    // The shard's first blocks left the cache (it keeps the last
+    // cache_blocks): of a range from its start into the cached ones, only
+    // the first blocks are fetched.
+    const int64_t blocks = (bytes + o.block_bytes - 1) / o.block_bytes;
+    ASSERT_GT(blocks, static_cast<int64_t>(o.cache_blocks));
+    const int64_t evicted =
+        (blocks - static_cast<int64_t>(o.cache_blocks)) * o.block_bytes;
+    got.assign(evicted + 5, '\0');
+    ASSERT_TRUE(remote
+                    .Read(42, config.ToString(), {group, k}, bytes, 0,
+                          evicted + 5, got.data(), RemoteBytes::Access::kExact)
+                    .ok());
+    EXPECT_EQ(got, DirectCut(config, 1, k).substr(0, evicted + 5));
+    total += evicted;
+    EXPECT_EQ(client.bytes_fetched(), total);
+    // Step 42 committed again: nothing cached of it is used any more.
+    remote.Forget(42);
+    got.assign(tail, '\0');
+    ASSERT_TRUE(remote
+                    .Read(42, config.ToString(), {group, k}, bytes,
+                          bytes - tail, tail, got.data(),
+                          RemoteBytes::Access::kExact)
+                    .ok());
+    total += tail;
+  }
+  EXPECT_EQ(client.bytes_fetched(), total);
   const int64_t last = static_cast<int64_t>(p.shards(group).size()) - 1;
   const int64_t bytes = p.shards(group)[last].bytes;
   ASSERT_GT(bytes, 4 * o.block_bytes);
@@ -451,10 +491,18 @@ TEST_F(PeerTest, HostsHoldingHalvesReadAndMaterializeThroughEachOther) {
     EXPECT_EQ(after.retained[0].config, halves.ToString());
     EXPECT_TRUE(CheckStore(store, {})->empty());
   };
-  materialize(*store_, {2, 3}, from_b, a_to_b, 0);
+  // (Through fresh PeerBytes: those of the views above would copy what
+  // their caches still hold instead of fetching it.)
+  {
+    PeerBytes fresh_from_b([&] { return std::vector<PeerClient*>{&a_to_b}; });
+    materialize(*store_, {2, 3}, fresh_from_b, a_to_b, 0);
+  }
   // b reads ranks 0 and 1 from what a retained, and then stores them.
   check_views(*store_b, from_a);
-  materialize(*store_b, {0, 1}, from_a, b_to_a, 1);
+  {
+    PeerBytes fresh_from_a([&] { return std::vector<PeerClient*>{&b_to_a}; });
+    materialize(*store_b, {0, 1}, fresh_from_a, b_to_a, 1);
+  }
   // Released, the old halves go; each host reads the other's new shards.
   for (Store* store : {store_.get(), store_b.get()}) {
     auto released = store->ReleaseRetained();
