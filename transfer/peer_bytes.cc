@@ -57,10 +57,10 @@ absl::Status PeerBytes::Await(const std::shared_ptr<Block>& block) const {
   if (!block->claimed) {
     block->claimed = true;
     lock.unlock();
-    const auto& [step, config, group, shard, index] = block->key;
     absl::Status fetched =
-        Fetch(step, config, block->shard, block->begin,
-              static_cast<int64_t>(block->bytes.size()), block->bytes.data());
+        Fetch(std::get<0>(block->key), std::get<1>(block->key), block->shard,
+              block->begin, static_cast<int64_t>(block->bytes.size()),
+              block->bytes.data());
     lock.lock();
     block->status = std::move(fetched);
     block->done = true;

@@ -40,7 +40,7 @@ class PeerBytes : public RemoteBytes {
     // What a cached read fetches at a time, and how many such blocks are
     // kept.
     int64_t block_bytes = 4 << 20;
-    size_t cache_blocks = 16;
+    size_t cache_blocks = 16;  // more than read_ahead_blocks
     // Blocks after the one read that are fetched in the background, by
     // this many threads (each a call in flight).
     int64_t read_ahead_blocks = 4;
