@@ -343,9 +343,12 @@ std::optional<std::vector<int>> ClusterMember::HeldGroups(
     const ParallelConfig& config) const {
   if (config.hosts().empty()) return std::nullopt;
   std::set<int> groups;
-  for (int rank = 0; rank < config.world_size(); ++rank) {
-    if (config.hosts()[config.HostOfRank(rank)] == host_)
+  for (size_t i = 0; i < config.hosts().size(); ++i) {
+    if (config.hosts()[i] != host_) continue;
+    const auto [first, last] = config.RanksOfHost(static_cast<int>(i));
+    for (int rank = first; rank <= last; ++rank) {
       groups.insert(config.ShardGroup(rank));
+    }
   }
   return std::vector<int>(groups.begin(), groups.end());
 }
@@ -521,16 +524,16 @@ nlohmann::json ClusterMember::StatusSection() {
   nlohmann::json hosts = hosts_;
   if (agreed_) {
     const std::vector<std::string>& named = agreed_->hosts();
-    const int world = agreed_->world_size();
     for (nlohmann::json& h : hosts) {
-      h["ranks"] = named.empty() ? nlohmann::json::array({0, world - 1})
-                                 : nlohmann::json(nullptr);
-      for (size_t i = 0; i < named.size(); ++i) {
-        if (named[i] != h.value("name", "")) continue;
-        const int per_host = world / static_cast<int>(named.size());
-        h["ranks"] = {static_cast<int>(i) * per_host,
-                      static_cast<int>(i + 1) * per_host - 1};
+      const auto it =
+          std::find(named.begin(), named.end(), h.value("name", ""));
+      if (!named.empty() && it == named.end()) {
+        h["ranks"] = nullptr;  // the config leaves it out: it runs none
+        continue;
       }
+      const auto [first, last] =
+          agreed_->RanksOfHost(static_cast<int>(it - named.begin()));
+      h["ranks"] = {first, last};
     }
   }
   nlohmann::json j = {{"job", cluster_.job},

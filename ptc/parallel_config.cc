@@ -140,7 +140,12 @@ absl::StatusOr<ParallelConfig> ParallelConfig::WithHosts(
 
 int ParallelConfig::HostOfRank(int rank) const {
   if (hosts_.empty()) return 0;
-  return rank / (world_size() / static_cast<int>(hosts_.size()));
+  return rank / RanksPerHost();
+}
+
+std::pair<int, int> ParallelConfig::RanksOfHost(int host) const {
+  if (hosts_.empty()) return {0, world_size() - 1};
+  return {host * RanksPerHost(), (host + 1) * RanksPerHost() - 1};
 }
 
 absl::StatusOr<ParallelConfig> ParallelConfig::Create(

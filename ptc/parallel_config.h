@@ -14,6 +14,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -59,6 +60,9 @@ class ParallelConfig {
       std::vector<std::string> hosts) const;
   // The index in hosts() of the host that runs `rank` (0 without hosts).
   int HostOfRank(int rank) const;
+  // The ranks [first, last] that host hosts()[host] runs: a contiguous
+  // block, as launchers number them (every rank without hosts).
+  std::pair<int, int> RanksOfHost(int host) const;
 
   RankCoords Coords(int rank) const;
   int Rank(const RankCoords& coords) const;
@@ -80,6 +84,10 @@ class ParallelConfig {
                          const ParallelConfig&) = default;
 
  private:
+  // With hosts: world_size() / hosts().size() (WithHosts checks it divides).
+  int RanksPerHost() const {
+    return world_size() / static_cast<int>(hosts_.size());
+  }
   int tp_ = 1;
   int pp_ = 1;
   int dp_ = 1;

@@ -39,11 +39,15 @@ TEST(ParallelConfig, HostsRunContiguousBlocksOfRanks) {
   std::vector<int> host_of;
   for (int rank = 0; rank < 8; ++rank) host_of.push_back(c->HostOfRank(rank));
   EXPECT_EQ(host_of, (std::vector<int>{0, 0, 1, 1, 2, 2, 3, 3}));
+  for (int host = 0; host < 4; ++host) {
+    EXPECT_EQ(c->RanksOfHost(host), std::pair(2 * host, 2 * host + 1));
+  }
   // The hosts are part of the config: another order is another config.
   EXPECT_NE(*ParallelConfig::Parse("tp=2,pp=2,dp=2,hosts=h3+gpu-1+h_2+h0"), *c);
   auto plain = ParallelConfig::Parse("tp=2,pp=2,dp=2");
   EXPECT_TRUE(plain->hosts().empty());
   EXPECT_EQ(plain->HostOfRank(7), 0);
+  EXPECT_EQ(plain->RanksOfHost(0), std::pair(0, 7));
   EXPECT_EQ(*c->WithHosts({}), *plain);
 }
 
