@@ -31,7 +31,7 @@ std::shared_ptr<PeerBytes::Block> PeerBytes::Find(int64_t step,
                                                   ShardRef shard,
                                                   int64_t shard_bytes,
                                                   int64_t index) const {
-  BlockKey key{step, config, shard.group, shard.shard, index};
+  BlockKey key{step, config, shard, index};
   for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
     if ((*it)->key != key) continue;
     blocks_.splice(blocks_.begin(), blocks_, it);  // the newest now
@@ -39,7 +39,6 @@ std::shared_ptr<PeerBytes::Block> PeerBytes::Find(int64_t step,
   }
   auto block = std::make_shared<Block>();
   block->key = std::move(key);
-  block->shard = shard;
   block->begin = index * options_.block_bytes;
   block->bytes.resize(static_cast<size_t>(
       std::min(block->begin + options_.block_bytes, shard_bytes) -
@@ -57,10 +56,9 @@ absl::Status PeerBytes::Await(const std::shared_ptr<Block>& block) const {
   if (!block->claimed) {
     block->claimed = true;
     lock.unlock();
-    absl::Status fetched =
-        Fetch(std::get<0>(block->key), std::get<1>(block->key), block->shard,
-              block->begin, static_cast<int64_t>(block->bytes.size()),
-              block->bytes.data());
+    absl::Status fetched = Fetch(
+        block->key.step, block->key.config, block->key.shard, block->begin,
+        static_cast<int64_t>(block->bytes.size()), block->bytes.data());
     lock.lock();
     block->status = std::move(fetched);
     block->done = true;
@@ -90,7 +88,7 @@ void PeerBytes::Forget(int64_t step) const {
   std::lock_guard<std::mutex> lock(mu_);
   // A block being fetched finishes for its readers but is found no more.
   for (auto it = blocks_.begin(); it != blocks_.end();) {
-    if (std::get<0>((*it)->key) != step) {
+    if ((*it)->key.step != step) {
       ++it;
       continue;
     }
@@ -119,7 +117,7 @@ absl::Status PeerBytes::ReadExact(int64_t step, const std::string& config,
     bool cached = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      const BlockKey key{step, config, shard.group, shard.shard, index};
+      const BlockKey key{step, config, shard, index};
       for (const std::shared_ptr<Block>& block : blocks_) {
         if (block->key != key) continue;
         if (block->done && block->status.ok()) {
@@ -154,7 +152,9 @@ absl::Status PeerBytes::Read(int64_t step, const std::string& config,
     std::shared_ptr<Block> block;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      block = Find(step, config, shard, shard_bytes, index);
+      // The blocks after this one are queued for the background threads,
+      // then this one is found last: the newest, it stays cached while it
+      // is read.
       for (int64_t next = index + 1;
            next <= index + options_.read_ahead_blocks && next < blocks;
            ++next) {
@@ -164,9 +164,7 @@ absl::Status PeerBytes::Read(int64_t step, const std::string& config,
         later->queued = true;
         ahead_.push_back(std::move(later));
       }
-      // Find() made the later blocks the newest: this one stays cached
-      // while it is read.
-      Find(step, config, shard, shard_bytes, index);
+      block = Find(step, config, shard, shard_bytes, index);
     }
     changed_.notify_all();
     RETURN_IF_ERROR(Await(block));

@@ -25,7 +25,6 @@
 #include <mutex>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -74,13 +73,18 @@ class PeerBytes : public RemoteBytes {
                      int64_t offset, int64_t length, char* out) const;
 
   // A block of a shard: (step, config, group, shard, block index).
-  using BlockKey = std::tuple<int64_t, std::string, int, int, int64_t>;
+  struct BlockKey {
+    int64_t step;
+    std::string config;
+    ShardRef shard;
+    int64_t index;
+    bool operator==(const BlockKey&) const = default;
+  };
   // A cached block: fetched by whoever claims it first, a reader or the
   // read-ahead thread; the others wait for it. Fields guarded by mu_.
   struct Block {
     BlockKey key;
-    ShardRef shard;
-    int64_t begin = 0;
+    int64_t begin = 0;  // key.index * block_bytes
     std::string bytes;
     bool queued = false;  // to be read ahead
     bool claimed = false;
