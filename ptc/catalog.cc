@@ -192,6 +192,7 @@ absl::Status Catalog::Commit(const Batch& batch) {
   }
   rocksdb::WriteOptions options;
   options.sync = true;
+  std::unique_lock<std::shared_mutex> lock(commits_);
   RETURN_IF_ERROR(FromRocks(db_->Write(options, &wb), "commit"));
   MarkSequence();
   return absl::OkStatus();

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -77,6 +78,13 @@ class Catalog {
   // Applies the batch atomically and durably (WAL synced), or not at all.
   absl::Status Commit(const Batch& batch);
 
+  // Commits wait while the returned lock is held, so that records read
+  // under it (a step's and its shards') belong to one moment. Every writer
+  // of a catalog is in the process that opened it (the store's lock).
+  [[nodiscard]] std::shared_lock<std::shared_mutex> HoldCommits() const {
+    return std::shared_lock<std::shared_mutex>(commits_);
+  }
+
  private:
   Catalog() = default;
   // `path`.sequence holds the newest sequence number a commit reached, so
@@ -90,6 +98,7 @@ class Catalog {
   rocksdb::DB* db_ = nullptr;
   bool read_only_ = false;
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;  // indexed by Table
+  mutable std::shared_mutex commits_;                  // see HoldCommits
 };
 
 }  // namespace scalai

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -344,6 +345,10 @@ absl::StatusOr<Materialization> Materialization::Write(
   Materialization m;
   m.blob_dir_ = store.blob_dir();
   m.retain_ = options.retain;
+  // The plans read each step's record and its shards' records at one moment
+  // (a save or a release may commit meanwhile); the writing needs no lock.
+  std::shared_lock<std::shared_mutex> consistent =
+      store.catalog().HoldCommits();
   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store.Steps());
   std::vector<std::unique_ptr<StepView>> views;
   std::vector<BlobJob> jobs;
@@ -407,6 +412,7 @@ absl::StatusOr<Materialization> Materialization::Write(
     m.steps_.push_back(std::move(update));
     views.push_back(std::move(view));
   }
+  consistent.unlock();
   // From here on the destructor removes whatever was written.
   for (const BlobJob& job : jobs) m.new_blobs_[job.name] = {};
   Progress progress(m.bytes_planned_, options.progress);

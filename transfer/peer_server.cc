@@ -4,6 +4,7 @@
 
 #include <deque>
 #include <mutex>
+#include <shared_mutex>
 #include <tuple>
 #include <utility>
 
@@ -55,18 +56,21 @@ struct PeerServer::State {
       int64_t step, const std::string& config_text) {
     ASSIGN_OR_RETURN(ParallelConfig config, ParallelConfig::Parse(config_text));
     ASSIGN_OR_RETURN(std::optional<StepRecord> record, store->FindStep(step));
-    if (!record) {
-      return absl::NotFoundError(
-          absl::StrCat("host ", options.host, " has no step ", step));
+    if (!record) return NoStep(step);
+    if (std::optional<std::vector<std::shared_ptr<const StepView>>> cached =
+            CachedViews(*record, config)) {
+      return *cached;
     }
+    // This host's own materialization may commit while the views are made:
+    // the step's record and its shards' records are read at one moment, or
+    // a view could pair a shard record with the placement it replaced.
+    std::shared_lock<std::shared_mutex> consistent =
+        store->catalog().HoldCommits();
+    ASSIGN_OR_RETURN(record, store->FindStep(step));
+    if (!record) return NoStep(step);
     std::vector<std::shared_ptr<const StepView>> made;
     for (int i = -1; i < static_cast<int>(record->retained.size()); ++i) {
-      // Keyed by what the view reads from: a materialization that stores
-      // the step anew, or a release of what it retained, makes it stale.
-      const std::string from =
-          i < 0 ? absl::StrCat("stored ", record->config)
-                : absl::StrCat("retained ", i, " ", record->retained[i].config);
-      ViewKey key{step, config.ToString(), from};
+      const ViewKey key = KeyOf(*record, i, config);
       {
         std::lock_guard<std::mutex> lock(mu);
         if (auto it = views.find(key); it != views.end()) {
@@ -91,6 +95,35 @@ struct PeerServer::State {
       }
     }
     return made;
+  }
+
+  // Views are keyed by what they read from: a materialization that stores
+  // the step anew, or a release of what it retained, makes them stale.
+  // (`i` < 0: the stored shards; else the i-th retained holding.)
+  static ViewKey KeyOf(const StepRecord& record, int i,
+                       const ParallelConfig& config) {
+    return {record.step, config.ToString(),
+            i < 0
+                ? absl::StrCat("stored ", record.config)
+                : absl::StrCat("retained ", i, " ", record.retained[i].config)};
+  }
+
+  // Every view of the step as `record` holds it, if all are cached.
+  std::optional<std::vector<std::shared_ptr<const StepView>>> CachedViews(
+      const StepRecord& record, const ParallelConfig& config) {
+    std::vector<std::shared_ptr<const StepView>> found;
+    std::lock_guard<std::mutex> lock(mu);
+    for (int i = -1; i < static_cast<int>(record.retained.size()); ++i) {
+      auto it = views.find(KeyOf(record, i, config));
+      if (it == views.end()) return std::nullopt;
+      found.push_back(it->second);
+    }
+    return found;
+  }
+
+  absl::Status NoStep(int64_t step) const {
+    return absl::NotFoundError(
+        absl::StrCat("host ", options.host, " has no step ", step));
   }
 
   // The caller's name if it presented the job's token; else the refusal,

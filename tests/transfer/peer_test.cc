@@ -6,9 +6,11 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "tests/store_fixture.h"
@@ -514,6 +516,80 @@ TEST_F(PeerTest, HostsHoldingHalvesReadAndMaterializeThroughEachOther) {
   }
   check_views(*store_, from_b);
   check_views(*store_b, from_a);
+}
+
+// A host serves its peers while its own materializations commit: each
+// commit moves the shards it held into `retained` and stores others, between
+// the server's reading of the step record and of the shard records. Every
+// read still gets every byte, as the host holds them all the while.
+TEST_F(PeerTest, ReadsWhileTheServingHostCommitsGetEveryByte) {
+  store_.reset();
+  fs::copy(dir_ / "store", dir_ / "store-b", fs::copy_options::recursive);
+  store_ = *Store::Open((dir_ / "store").string());
+  std::unique_ptr<Store> store_b = *Store::Open((dir_ / "store-b").string());
+  auto server_a = StartServer();
+  ASSERT_NE(server_a, nullptr);
+  PeerServer::Options ob;
+  ob.job = "gpt";
+  ob.host = "b";
+  ob.address = "127.0.0.1:0";
+  ob.token = kToken;
+  auto server_b = *PeerServer::Start(*store_b, ob);
+  PeerClient::Options oc;
+  oc.token = kToken;
+  oc.deadline = absl::Seconds(10);
+  oc.host = "a";
+  PeerClient a_to_b({"b", absl::StrCat("127.0.0.1:", server_b->port())}, oc);
+  PeerClient reader = Client(*server_a);
+
+  const ParallelConfig saved = saved_config();
+  const Placement p = *Placement::Create(layout_, model_, saved);
+  std::atomic<bool> done = false;
+  std::atomic<int> commits = 0;
+  absl::Status writing = absl::OkStatus();
+  // Host a alternates between holding group 0 and group 1 of tp=2, each
+  // time under a config named anew (no view of it cached), fetching what it
+  // lacks from b and retaining what it held.
+  std::thread writer([&] {
+    for (int i = 0; i < 24 && writing.ok(); ++i) {
+      const std::string other = absl::StrCat("x", i);
+      const ParallelConfig config = *ParallelConfig::Parse(
+          i % 2 == 0 ? absl::StrCat("tp=2,pp=1,dp=1,hosts=a+", other)
+                     : absl::StrCat("tp=2,pp=1,dp=1,hosts=", other, "+a"));
+      PeerBytes from_b([&] { return std::vector<PeerClient*>{&a_to_b}; });
+      Materialization::Options o;
+      o.hold = std::vector<int>{i % 2};
+      o.remote = &from_b;
+      o.retain = true;
+      absl::StatusOr<Materialization> m =
+          Materialization::Write(*store_, config, o);
+      writing = m.ok() ? m->Commit(*store_) : m.status();
+      ++commits;
+    }
+    done = true;
+  });
+  int reads = 0;
+  while (!done) {
+    for (int g = 0; g < 2; ++g) {
+      const int rank = g;  // tp=2: rank r is shard group r
+      for (size_t k = 0; k < p.shards(g).size(); ++k) {
+        const int64_t bytes = p.shards(g)[k].bytes;
+        std::string got(bytes, '\0');
+        absl::StatusOr<int64_t> read =
+            reader.ReadTensor({42, saved.ToString(), g, static_cast<int>(k)}, 0,
+                              bytes, got.data());
+        ASSERT_TRUE(read.ok())
+            << read.status() << " after " << commits << " commits";
+        ASSERT_EQ(*read, bytes) << p.shards(g)[k].local_name;
+        ASSERT_EQ(got, DirectCut(saved, rank, static_cast<int>(k)));
+        ++reads;
+      }
+    }
+  }
+  writer.join();
+  ASSERT_TRUE(writing.ok()) << writing;
+  EXPECT_EQ(commits, 24);
+  EXPECT_GT(reads, 0);
 }
 
 // A CA and a certificate for 127.0.0.1 it signed, made by openssl.
