@@ -120,6 +120,16 @@ absl::Status ClusterMember::Start() {
   ASSIGN_OR_RETURN(peers_, PeerServer::Start(job_.store(), peer));
   RETURN_IF_ERROR(Register());
   RETURN_IF_ERROR(Watch(kv->mod_revision));
+  // Saves across hosts: what the cluster decided while this host was away
+  // first, then this host's saves go through the cluster.
+  saves_ = std::make_unique<ClusterSaves>(
+      job_, *etcd_, host_,
+      [this](const std::string& what) { return Key(what); });
+  RETURN_IF_ERROR(saves_->Reconcile());
+  job_.SetSaveAgreement({[this](const ParallelConfig& config) {
+                           return ClusterSaves::RanksOfHost(config, host_);
+                         },
+                         [this](int64_t) { BeatNow(); }});
   job_.SetAgreement(
       [this](const ParallelConfig& config) { return Propose(config); });
   job_.SetStatusSection("cluster", [this] { return StatusSection(); });
@@ -131,6 +141,7 @@ absl::Status ClusterMember::Start() {
 }
 
 ClusterMember::~ClusterMember() {
+  job_.SetSaveAgreement({});
   job_.SetAgreement(nullptr);
   job_.SetStatusSection("", nullptr);
   // The peers go with this member: the job stops reading through them.
@@ -225,7 +236,15 @@ void ClusterMember::Apply(const EtcdClient::KeyValue& kv) {
       agreed_ = agreed->config;
     }
   }
-  wake_.notify_all();  // record the progress now
+  BeatNow();  // record the progress now
+}
+
+void ClusterMember::BeatNow() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    beat_now_ = true;
+  }
+  wake_.notify_all();
 }
 
 absl::Status ClusterMember::Propose(const ParallelConfig& config) {
@@ -300,8 +319,9 @@ void ClusterMember::Beat() {
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait_for(lock, absl::ToChronoMilliseconds(kBeat),
-                     [this] { return stopping_.load(); });
+      wake_.wait_for(lock, absl::ToChronoMilliseconds(kBeat), [this] {
+        return stopping_.load() || std::exchange(beat_now_, false);
+      });
       if (stopping_) return;
     }
     int64_t lease = 0;
@@ -335,6 +355,10 @@ void ClusterMember::Beat() {
       ReadCluster();
       ReleaseWhenAllFinished();
       RetryWhenPeerBack();
+      if (absl::Status saved = saves_->Advance(); !saved.ok()) {
+        job_.ReportError(
+            absl::StrCat("saving across hosts: ", saved.message()));
+      }
     }
   }
 }
@@ -544,7 +568,8 @@ nlohmann::json ClusterMember::StatusSection() {
                       {"peer_calls_refused", counters.refused},
                       {"peer_calls_failed", counters.failed},
                       {"bytes_served", served},
-                      {"bytes_reused", remote_->bytes_reused()}};
+                      {"bytes_reused", remote_->bytes_reused()},
+                      {"saves", saves_->Status()}};
   if (!etcd_error_.empty()) j["etcd_error"] = etcd_error_;
   // Each other host as this one last reached it.
   nlohmann::json peers = nlohmann::json::object();

@@ -26,6 +26,7 @@
 
 #include "absl/status/statusor.h"
 #include "fs/cluster_coverage.h"
+#include "fs/cluster_saves.h"
 #include "fs/job.h"
 #include "nlohmann/json.hpp"
 #include "transfer/cluster_file.h"
@@ -78,6 +79,8 @@ class ClusterMember {
   absl::Status Watch(int64_t after);
   absl::Status Register();
   void Beat();
+  // Ends the beat's wait: a config applied or a step saved is acted on now.
+  void BeatNow();
   void RecordProgress();
   void ReadCluster();
   // Once every host the cluster's config needs is live and has finished
@@ -107,6 +110,7 @@ class ClusterMember {
   std::string address_;
   std::unique_ptr<EtcdClient> etcd_;
   std::unique_ptr<PeerServer> peers_;
+  std::unique_ptr<ClusterSaves> saves_;  // used by Start, then the beat
 
   std::mutex mu_;  // guards what follows; never held while calling the job
   int64_t seen_revision_ = 0;  // of the config key, as last seen
@@ -139,6 +143,7 @@ class ClusterMember {
   std::mutex propose_mu_;  // one proposal at a time from this host
   std::atomic<bool> stopping_{false};
   std::condition_variable wake_;  // with mu_: ends a beat's wait early
+  bool beat_now_ = false;         // guarded by mu_; see wake_
   std::thread beat_;
   std::thread check_;
 };

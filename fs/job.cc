@@ -112,6 +112,12 @@ void Job::SetAgreement(Agreement agreement) {
   agreement_ = std::move(agreement);
 }
 
+void Job::SetSaveAgreement(SaveAgreement agreement) {
+  saves_->SaveAsHost(std::move(agreement.ranks));
+  std::lock_guard<std::mutex> lock(mu_);
+  step_saved_ = std::move(agreement.saved);
+}
+
 void Job::SetStatusSection(std::string key, StatusSection section) {
   std::lock_guard<std::mutex> lock(mu_);
   status_key_ = std::move(key);
@@ -210,29 +216,63 @@ absl::Status Job::PublishStep(int64_t step) {
   std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
   std::vector<std::string> names;
   OnSwitch on_switch;
+  std::function<void(int64_t)> saved;
   {
     std::lock_guard<std::mutex> lock(mu_);
     RETURN_IF_ERROR(saves_->Commit(step));
-    // A step number used before (the old step deleted) must not be read
-    // from what peers sent of the old one.
-    if (holding_.remote != nullptr) holding_.remote->Forget(step);
-    ApplyRetentionLocked();
-    RETURN_IF_ERROR(CheckGenerationLocked());
-    ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
-                     Tree::Build(store_, current_->config(),
-                                 current_->generation() + 1, holding_.remote));
-    retired = SwitchLocked(std::shared_ptr<const Tree>(std::move(next)));
-    // A step saved under an earlier config is materialized like the rest.
-    absl::StatusOr<std::optional<StepRecord>> record = store_.FindStep(step);
-    if (record.ok() && *record &&
-        (*record)->config != current_->config().ToString()) {
-      StartMaterializationLocked();
+    if (step_saved_) {
+      saved = step_saved_;  // pending: the cluster commits it
+    } else {
+      RETURN_IF_ERROR(ShowCommittedLocked(step, retired));
+      names = RootNamesLocked();
+      on_switch = on_switch_;
     }
-    error_.clear();  // the step is whole: earlier refusals are moot
+  }
+  if (saved) saved(step);
+  if (on_switch) on_switch(std::move(names));
+  return absl::OkStatus();
+}
+
+absl::Status Job::CommitAgreedStep(const StepRecord& agreed) {
+  std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
+  std::vector<std::string> names;
+  OnSwitch on_switch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_ERROR(store_.CommitAgreedStep(agreed));
+    saves_->Committed(agreed.step);
+    RETURN_IF_ERROR(ShowCommittedLocked(agreed.step, retired));
     names = RootNamesLocked();
     on_switch = on_switch_;
   }
   if (on_switch) on_switch(std::move(names));
+  return absl::OkStatus();
+}
+
+absl::Status Job::DiscardSave(int64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  saves_->Discard(step);
+  return store_.DiscardPending(step);
+}
+
+absl::Status Job::ShowCommittedLocked(
+    int64_t step, std::vector<std::shared_ptr<const Tree>>& retired) {
+  // A step number used before (the old step deleted) must not be read
+  // from what peers sent of the old one.
+  if (holding_.remote != nullptr) holding_.remote->Forget(step);
+  ApplyRetentionLocked();
+  RETURN_IF_ERROR(CheckGenerationLocked());
+  ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
+                   Tree::Build(store_, current_->config(),
+                               current_->generation() + 1, holding_.remote));
+  retired = SwitchLocked(std::shared_ptr<const Tree>(std::move(next)));
+  // A step saved under an earlier config is materialized like the rest.
+  absl::StatusOr<std::optional<StepRecord>> record = store_.FindStep(step);
+  if (record.ok() && *record &&
+      (*record)->config != current_->config().ToString()) {
+    StartMaterializationLocked();
+  }
+  error_.clear();  // the step is whole: earlier refusals are moot
   return absl::OkStatus();
 }
 

@@ -48,6 +48,15 @@ class Job {
   // More of `status`, under the key it names; called with the job's lock
   // held, so it must not call the job.
   using StatusSection = std::function<nlohmann::json()>;
+  // How a step is saved when its ranks span hosts: the ranks of a config
+  // saved on this host (or why none can be), and, called without the lock
+  // held, that this host's part of a step is saved and pending
+  // (PendingStep) for the cluster to commit (CommitAgreedStep) or drop
+  // (DiscardSave).
+  struct SaveAgreement {
+    SaveArea::RanksOfHost ranks;
+    std::function<void(int64_t step)> saved;
+  };
 
   struct Options {
     // After each step published, keep the newest K steps (0: all); a step
@@ -104,6 +113,7 @@ class Job {
   // one before.
   void SetOnSwitch(OnSwitch on_switch);
   void SetAgreement(Agreement agreement);
+  void SetSaveAgreement(SaveAgreement agreement);
   void SetStatusSection(std::string key, StatusSection section);
 
   // Makes `config` current: validates it, has it agreed (SetAgreement),
@@ -116,8 +126,15 @@ class Job {
   // no agreement is asked for.
   absl::Status ApplyAgreed(const ParallelConfig& config);
   // Commits a step whose every dp_rank 0 rank has a valid shard, applies the
-  // retention, and switches to a tree that shows it (`latest` moves).
+  // retention, and switches to a tree that shows it (`latest` moves). With
+  // a SaveAgreement, this host's part is recorded pending instead.
   absl::Status PublishStep(int64_t step);
+  // The cluster committed a step, described by `agreed`: recorded with what
+  // this host saved of it (Store::CommitAgreedStep), then as PublishStep.
+  absl::Status CommitAgreedStep(const StepRecord& agreed);
+  // The cluster dropped a step: what this host saved or is saving of it
+  // goes.
+  absl::Status DiscardSave(int64_t step);
   // Materializes the current config, superseding a running materialization:
   // a store whose steps are not stored under it yet catches up.
   void StartMaterialization();
@@ -153,6 +170,10 @@ class Job {
       std::shared_ptr<const Tree> tree);  // requires mu_
   void RetireIfUnusedLocked(const std::shared_ptr<const Tree>& tree);
   void ApplyRetentionLocked();
+  // After `step` was recorded: retention, a tree that shows it, and its
+  // materialization if saved under another config.
+  absl::Status ShowCommittedLocked(
+      int64_t step, std::vector<std::shared_ptr<const Tree>>& retired);
   std::vector<std::string> RootNamesLocked() const;
   absl::Status CheckGenerationLocked() const;
   Progress ProgressLocked() const;
@@ -172,6 +193,7 @@ class Job {
   // The hooks; guarded by mu_, and called on copies without it.
   OnSwitch on_switch_;
   Agreement agreement_;
+  std::function<void(int64_t)> step_saved_;  // SaveAgreement::saved
   std::string status_key_;
   StatusSection status_section_;
   Holding holding_;

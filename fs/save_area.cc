@@ -75,8 +75,12 @@ absl::StatusOr<SaveNode> SaveArea::MkdirStep(absl::string_view name,
         "step ", *step,
         steps_.at(*step).committed ? " is committed" : " is being saved"));
   }
+  StepWriter::Options options;
+  if (ranks_of_host_) {
+    ASSIGN_OR_RETURN(options.ranks, ranks_of_host_(config));
+  }
   ASSIGN_OR_RETURN(std::shared_ptr<StepWriter> writer,
-                   StepWriter::Create(store_, *step, config));
+                   StepWriter::Create(store_, *step, config, options));
   SaveNode dir_node;
   dir_node.name = std::string(name);
   dir_node.dir = true;
@@ -122,6 +126,7 @@ absl::StatusOr<SaveNode> SaveArea::Mkdir(uint64_t parent,
                      config.ToString(), " (rank-00000 to rank-",
                      absl::StrFormat("%05d", config.world_size() - 1), ")"));
   }
+  RETURN_IF_ERROR(step.writer->CheckRank(static_cast<int>(*rank)));
   SaveNode dir;
   dir.parent = parent;
   dir.name = std::string(name);
@@ -364,11 +369,35 @@ absl::StatusOr<bool> SaveArea::Close(uint64_t ino,
   return writer->complete();
 }
 
+void SaveArea::SaveAsHost(RanksOfHost ranks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ranks_of_host_ = std::move(ranks);
+}
+
 absl::Status SaveArea::Commit(int64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = steps_.find(step);
   if (it == steps_.end() || it->second.committed) return absl::OkStatus();
   RETURN_IF_ERROR(it->second.writer->Commit());
+  if (!it->second.writer->pending()) MarkCommittedLocked(it);
+  return absl::OkStatus();
+}
+
+void SaveArea::Committed(int64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = steps_.find(step);
+  if (it != steps_.end() && !it->second.committed) MarkCommittedLocked(it);
+}
+
+void SaveArea::Discard(int64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = steps_.find(step);
+  if (it == steps_.end()) return;
+  RemoveTree(it->second.dir);
+  steps_.erase(it);
+}
+
+void SaveArea::MarkCommittedLocked(std::map<int64_t, Step>::iterator it) {
   // The step's nodes stay until the next commit, for walks in flight; the
   // tree shows the step from now on.
   for (auto old = steps_.begin(); old != steps_.end();) {
@@ -381,7 +410,6 @@ absl::Status SaveArea::Commit(int64_t step) {
   }
   it->second.committed = true;
   it->second.writer.reset();
-  return absl::OkStatus();
 }
 
 std::vector<std::pair<int64_t, std::vector<int>>> SaveArea::Pending() const {

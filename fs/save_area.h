@@ -13,6 +13,7 @@
 #define SCALAI_FS_SAVE_AREA_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -47,7 +48,16 @@ struct SaveNode {
 
 class SaveArea {
  public:
+  // On a host of a cluster: the ranks of a config saved on this host, or
+  // why a step cannot be saved under it here.
+  using RanksOfHost =
+      std::function<absl::StatusOr<std::vector<int>>(const ParallelConfig&)>;
+
   explicit SaveArea(Store& store) : store_(store) {}
+  // From now on, steps are saved as a cluster's host saves them
+  // (StepWriter::Options::ranks): each waits, pending, for Committed or
+  // Discard once this host's part is whole.
+  void SaveAsHost(RanksOfHost ranks);
 
   static bool Owns(uint64_t ino) { return ino >= 2 && ino < (1ull << 40); }
 
@@ -84,9 +94,15 @@ class SaveArea {
   // when the step committed without it (a replica closed late).
   absl::StatusOr<bool> Close(uint64_t ino,
                              const std::shared_ptr<ShardFile>& file);
-  // Commits a complete step and forgets it. The caller holds the lock that
-  // guards catalog changes.
+  // Commits a complete step and forgets it; a cluster's host records its
+  // part pending instead. The caller holds the lock that guards catalog
+  // changes.
   absl::Status Commit(int64_t step);
+  // The cluster committed the step: it is shown as committed from now on,
+  // and what this host had not saved of it by then is dropped.
+  void Committed(int64_t step);
+  // The cluster dropped the step: its directories go.
+  void Discard(int64_t step);
   // Steps being saved and the dp_rank 0 ranks each still waits for.
   std::vector<std::pair<int64_t, std::vector<int>>> Pending() const;
 
@@ -105,10 +121,12 @@ class SaveArea {
   };
   // Requires mu_.
   uint64_t AddNode(SaveNode node);
+  void MarkCommittedLocked(std::map<int64_t, Step>::iterator it);
   void RemoveTree(uint64_t ino);
 
   Store& store_;
   mutable std::mutex mu_;
+  RanksOfHost ranks_of_host_;       // guarded by mu_
   uint64_t next_ino_ = 2;           // guarded by mu_
   std::map<uint64_t, Node> nodes_;  // guarded by mu_
   std::map<int64_t, Step> steps_;   // guarded by mu_

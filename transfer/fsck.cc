@@ -196,6 +196,12 @@ absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
       }
     }
   }
+  // A step saved here that the cluster has not committed yet keeps its
+  // blobs (its records are checked when it commits).
+  ASSIGN_OR_RETURN(std::vector<PendingStep> pending, store.PendingSteps());
+  for (const PendingStep& p : pending) {
+    for (const std::string& blob : p.Blobs()) used.insert(blob);
+  }
   for (const auto& [name, record] : blobs) {
     if (!used.contains(name)) {
       problem(absl::StrCat("blob ", name, " (step ", record.step,

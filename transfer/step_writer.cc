@@ -192,8 +192,12 @@ absl::StatusOr<std::vector<uint64_t>> ShardFile::ChunkSums() {
 }
 
 StepWriter::StepWriter(Store& store, int64_t step,
-                       std::shared_ptr<const Placement> placement)
-    : store_(store), step_(step), placement_(std::move(placement)) {
+                       std::shared_ptr<const Placement> placement,
+                       std::optional<std::set<int>> ranks)
+    : store_(store),
+      step_(step),
+      placement_(std::move(placement)),
+      ranks_(std::move(ranks)) {
   valid_.resize(placement_->config().world_size());
 }
 
@@ -204,7 +208,7 @@ StepWriter::~StepWriter() {
 }
 
 absl::StatusOr<std::unique_ptr<StepWriter>> StepWriter::Create(
-    Store& store, int64_t step, const ParallelConfig& config) {
+    Store& store, int64_t step, const ParallelConfig& config, Options options) {
   if (store.model() == nullptr) {
     return absl::FailedPreconditionError(
         "the store does not know its model yet: import a first checkpoint");
@@ -216,14 +220,30 @@ absl::StatusOr<std::unique_ptr<StepWriter>> StepWriter::Create(
   }
   ASSIGN_OR_RETURN(Placement p,
                    Placement::Create(store.layout(), store.model(), config));
+  std::optional<std::set<int>> ranks;
+  if (options.ranks)
+    ranks.emplace(options.ranks->begin(), options.ranks->end());
   return std::unique_ptr<StepWriter>(new StepWriter(
-      store, step, std::make_shared<const Placement>(std::move(p))));
+      store, step, std::make_shared<const Placement>(std::move(p)),
+      std::move(ranks)));
 }
 
 absl::Status StepWriter::CheckRank(int rank) const {
-  if (rank >= 0 && rank < config().world_size()) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("rank ", rank, " is not a rank of ", config().ToString()));
+  if (rank < 0 || rank >= config().world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is not a rank of ", config().ToString()));
+  }
+  if (ranks_ && !ranks_->contains(rank)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "rank ", rank, " of ", config().ToString(),
+        " runs on another host: it is saved through that host's mount"));
+  }
+  return absl::OkStatus();
+}
+
+bool StepWriter::Awaited(int rank) const {
+  if (ranks_ && !ranks_->contains(rank)) return false;
+  return config().Coords(rank).dp_rank == 0 || joined_.contains(rank);
 }
 
 absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::Open(int rank) {
@@ -254,8 +274,10 @@ absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::NewFile(
     // Recorded first, so that the file is removed whatever happens next.
     std::lock_guard<std::mutex> lock(mu_);
     if (committed_) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(label, ": step ", step_, " is already committed"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          label, ": step ", step_,
+          ranks_ ? " is saved on this host, waiting for the other hosts"
+                 : " is already committed"));
     }
     blobs_.insert(file->blob_);
   }
@@ -405,9 +427,7 @@ std::vector<int> StepWriter::missing() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int> out;
   for (int r = 0; r < config().world_size(); ++r) {
-    if ((config().Coords(r).dp_rank == 0 || joined_.contains(r)) &&
-        valid_[r] == nullptr)
-      out.push_back(r);
+    if (Awaited(r) && valid_[r] == nullptr) out.push_back(r);
   }
   return out;
 }
@@ -471,8 +491,10 @@ absl::Status StepWriter::Commit() {
   record.groups = placement_->num_groups();
   Catalog::Batch batch;
   std::set<std::string> used;
+  std::map<int, ShardRecord> shards;  // by group
   for (int r = 0; r < cfg.world_size(); ++r) {
     if (cfg.Coords(r).dp_rank != 0) continue;
+    if (ranks_ && !ranks_->contains(r)) continue;  // saved on its own host
     if (valid_[r] == nullptr) {
       return absl::FailedPreconditionError(
           absl::StrCat("step ", step_, ": ", Label(r), " is not saved yet"));
@@ -483,8 +505,7 @@ absl::Status StepWriter::Commit() {
     ShardRecord shard;
     shard.blobs = {file.blob()};
     for (int64_t at : file.checked_.offsets) shard.tensors.push_back({0, at});
-    batch.Put(Table::kShards, ShardKey(step_, group),
-              Store::EncodeShard(shard));
+    shards[group] = std::move(shard);
     ASSIGN_OR_RETURN(std::vector<uint64_t> sums, file.ChunkSums());
     batch.Put(Table::kBlobs, file.blob(),
               Store::EncodeBlob({file.size(), std::move(sums), step_}));
@@ -502,7 +523,20 @@ absl::Status StepWriter::Commit() {
   }
   if (!record.extra.empty()) record.extra_config = cfg.ToString();
   RETURN_IF_ERROR(SyncDir(store_.blob_dir()));
-  batch.Put(Table::kSteps, StepKey(step_), Store::EncodeStep(record));
+  if (ranks_) {
+    PendingStep pending;
+    record.held.emplace();
+    for (const auto& [g, shard] : shards) record.held->push_back(g);
+    pending.record = std::move(record);
+    pending.shards = std::move(shards);
+    batch.Put(Table::kMeta, Store::PendingKey(step_),
+              Store::EncodePending(pending));
+  } else {
+    for (const auto& [g, shard] : shards) {
+      batch.Put(Table::kShards, ShardKey(step_, g), Store::EncodeShard(shard));
+    }
+    batch.Put(Table::kSteps, StepKey(step_), Store::EncodeStep(record));
+  }
   RETURN_IF_ERROR(store_.catalog().Commit(batch));
   committed_ = true;
   std::move(unseal).Cancel();

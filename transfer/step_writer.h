@@ -124,10 +124,22 @@ class ShardFile {
 
 class StepWriter {
  public:
+  struct Options {
+    // On a host of a cluster: the ranks saved here (the others are saved
+    // on their own hosts). Only they may be written, the step is complete
+    // here once those with dp_rank 0 closed valid shards, and Commit
+    // records it pending (PendingStep) until the cluster commits it.
+    std::optional<std::vector<int>> ranks;
+  };
   // Refuses a step that is already committed, and a store that does not
   // know its model yet (the first step comes by import).
   static absl::StatusOr<std::unique_ptr<StepWriter>> Create(
-      Store& store, int64_t step, const ParallelConfig& config);
+      Store& store, int64_t step, const ParallelConfig& config,
+      Options options);
+  static absl::StatusOr<std::unique_ptr<StepWriter>> Create(
+      Store& store, int64_t step, const ParallelConfig& config) {
+    return Create(store, step, config, Options());
+  }
   ~StepWriter();
 
   int64_t step() const { return step_; }
@@ -143,6 +155,8 @@ class StepWriter {
   // to the end, equal to the bytes of its replicas. The error names the
   // file and the tensor at fault; the file is then kept out of the step.
   absl::Status Close(int rank, const std::shared_ptr<ShardFile>& file);
+  // `rank` is a rank of the step's config, saved on this host.
+  absl::Status CheckRank(int rank) const;
   // The rank's file was removed: the step waits for a new one.
   void Forget(int rank);
 
@@ -173,15 +187,20 @@ class StepWriter {
   // The ranks still to close a valid shard, for `status`.
   std::vector<int> missing() const;
   // Syncs the blobs and records the step, atomically; the blobs then belong
-  // to the store. Extra replicas' blobs are removed.
+  // to the store. Extra replicas' blobs are removed. With Options::ranks
+  // the step is recorded pending instead; the same call again does nothing.
   absl::Status Commit();
+  // Commit records the step pending (Options::ranks).
+  bool pending() const { return ranks_.has_value(); }
 
  private:
   StepWriter(Store& store, int64_t step,
-             std::shared_ptr<const Placement> placement);
+             std::shared_ptr<const Placement> placement,
+             std::optional<std::set<int>> ranks);
+  // Whether the step waits for `rank`'s shard here: it has dp_rank 0 or
+  // joined, and is saved on this host.
+  bool Awaited(int rank) const;  // requires mu_
   absl::StatusOr<ShardFile::Checked> Check(int rank, ShardFile& file);
-  // `rank` is a rank of the step's config.
-  absl::Status CheckRank(int rank) const;
   // A tied model's last stage holds the input embedding again (pp > 1):
   // each tp slice must equal the first stage's. Requires mu_.
   absl::Status CompareTiedCopies() const;
@@ -193,6 +212,7 @@ class StepWriter {
   Store& store_;
   const int64_t step_;
   const std::shared_ptr<const Placement> placement_;
+  const std::optional<std::set<int>> ranks_;  // Options::ranks
   mutable std::mutex mu_;
   // Guarded by mu_: each rank's valid file, the ranks with dp_rank > 0 that
   // joined, the closed extra files by (rank, path), each blob made, and

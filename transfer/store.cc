@@ -491,7 +491,113 @@ absl::StatusOr<std::set<std::string>> Store::BlobsInUse() const {
   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
   std::set<std::string> uses;
   for (const StepRecord& s : steps) RETURN_IF_ERROR(AddBlobsOf(*this, s, uses));
+  ASSIGN_OR_RETURN(std::vector<PendingStep> pending, PendingSteps());
+  for (const PendingStep& p : pending) {
+    for (std::string& blob : p.Blobs()) uses.insert(std::move(blob));
+  }
   return uses;
+}
+
+std::vector<std::string> PendingStep::Blobs() const {
+  std::vector<std::string> blobs = record.ExtraBlobs();
+  for (const auto& [g, shard] : shards)
+    blobs.insert(blobs.end(), shard.blobs.begin(), shard.blobs.end());
+  return blobs;
+}
+
+namespace {
+constexpr absl::string_view kPendingPrefix = "pending/";
+}  // namespace
+
+std::string Store::PendingKey(int64_t step) {
+  return absl::StrCat(kPendingPrefix, StepKey(step));
+}
+
+std::string Store::EncodePending(const PendingStep& pending) {
+  json j = json::parse(EncodeStep(pending.record));
+  json shards = json::object();
+  for (const auto& [g, shard] : pending.shards)
+    shards[std::to_string(g)] = ShardJson(shard);
+  j["pending_shards"] = shards;
+  return j.dump();
+}
+
+absl::StatusOr<std::vector<PendingStep>> Store::PendingSteps() const {
+  ASSIGN_OR_RETURN(auto records, catalog_->Scan(Table::kMeta, kPendingPrefix));
+  std::vector<PendingStep> out;
+  for (const auto& [key, value] : records) {
+    const std::string step_key = key.substr(kPendingPrefix.size());
+    PendingStep p;
+    ASSIGN_OR_RETURN(p.record, DecodeStep(step_key, value));
+    const std::string what =
+        absl::StrCat("pending step ", StepFromKey(step_key));
+    ASSIGN_OR_RETURN(json j, ParseRecord(value, what));
+    if (!j.contains("pending_shards") || !j["pending_shards"].is_object() ||
+        !p.record.held) {
+      return Corrupt(what);
+    }
+    for (const auto& [group, shard] : j["pending_shards"].items()) {
+      int g = -1;
+      if (!absl::SimpleAtoi(group, &g) || !p.record.holds(g)) {
+        return Corrupt(what);
+      }
+      ASSIGN_OR_RETURN(p.shards[g], DecodeShard(shard, what));
+    }
+    if (p.shards.size() != p.record.held->size()) return Corrupt(what);
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+absl::Status Store::CommitAgreedStep(const StepRecord& agreed) {
+  ASSIGN_OR_RETURN(std::optional<StepRecord> existing, FindStep(agreed.step));
+  if (existing) {
+    if (existing->config == agreed.config) return absl::OkStatus();
+    return absl::AlreadyExistsError(
+        absl::StrCat("step ", agreed.step, " is already recorded under ",
+                     existing->config, ", not ", agreed.config));
+  }
+  ASSIGN_OR_RETURN(std::vector<PendingStep> pending, PendingSteps());
+  StepRecord record = agreed;
+  record.held = std::vector<int>();
+  record.extra.clear();
+  record.extra_config.clear();
+  record.retained.clear();
+  Catalog::Batch batch;
+  for (const PendingStep& p : pending) {
+    if (p.record.step != agreed.step) continue;
+    if (p.record.config != agreed.config || p.record.groups != agreed.groups) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", agreed.step, " was saved here under ", p.record.config,
+          ", the cluster committed it under ", agreed.config));
+    }
+    record.held = p.record.held;
+    record.extra = p.record.extra;
+    record.extra_config = p.record.extra_config;
+    for (const auto& [g, shard] : p.shards)
+      batch.Put(Table::kShards, ShardKey(agreed.step, g), EncodeShard(shard));
+    batch.Delete(Table::kMeta, PendingKey(agreed.step));
+  }
+  batch.Put(Table::kSteps, StepKey(agreed.step), EncodeStep(record));
+  return catalog_->Commit(batch);
+}
+
+absl::Status Store::DiscardPending(int64_t step) {
+  ASSIGN_OR_RETURN(std::vector<PendingStep> pending, PendingSteps());
+  for (const PendingStep& p : pending) {
+    if (p.record.step != step) continue;
+    Catalog::Batch batch;
+    batch.Delete(Table::kMeta, PendingKey(step));
+    const std::vector<std::string> blobs = p.Blobs();
+    std::set<std::string> dropped(blobs.begin(), blobs.end());
+    // Blobs are never shared between steps, but a check costs little.
+    std::set<std::string> kept;
+    ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
+    for (const StepRecord& s : steps)
+      RETURN_IF_ERROR(AddBlobsOf(*this, s, kept));
+    return CommitFreeing(batch, dropped, kept).status();
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<int> Store::CommitFreeing(Catalog::Batch& batch,

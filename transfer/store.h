@@ -86,6 +86,17 @@ struct StepRecord {
       const ParallelConfig& config, int rank) const;
 };
 
+// A step this host of a cluster saved whole, waiting for the cluster to
+// commit it (every host's part saved) or drop it. Durable, so that a host
+// that said it saved its part keeps it through a crash; seen by no reader
+// (views, materialization, export) until Store::CommitAgreedStep.
+struct PendingStep {
+  StepRecord record;  // `held`: the groups saved here
+  std::map<int, ShardRecord> shards;
+  // Every blob it names: the shards' and the extra files'.
+  std::vector<std::string> Blobs() const;
+};
+
 // A blob file: its size and the XXH3 of each of its chunks
 // (transfer/blob_checksum.h), taken as it was written.
 struct BlobRecord {
@@ -184,8 +195,22 @@ class Store {
   // uses; returns how many blob files went.
   absl::StatusOr<int> ReleaseRetained();
   // Every blob some record of some step names (shards held, retained
-  // shards, extra files).
+  // shards, extra files, pending steps).
   absl::StatusOr<std::set<std::string>> BlobsInUse() const;
+
+  // Steps saved here and waiting for the cluster (PendingStep), by step.
+  absl::StatusOr<std::vector<PendingStep>> PendingSteps() const;
+  // Records the step the cluster committed, as `agreed` describes all of it
+  // (config, groups, bytes, consumed samples): with the shards and extra
+  // files this host saved of it if it has them pending, else holding none
+  // (its views read it from peers). One catalog batch; a step already
+  // recorded under the same config is left as it is.
+  absl::Status CommitAgreedStep(const StepRecord& agreed);
+  // Drops a pending step the cluster will not commit, and its blobs.
+  absl::Status DiscardPending(int64_t step);
+  // The catalog key and value of a pending step, for its writer's batch.
+  static std::string PendingKey(int64_t step);
+  static std::string EncodePending(const PendingStep& pending);
   // Every registered dataset, by name.
   absl::StatusOr<std::map<std::string, DatasetRecord>> Datasets() const;
   // Makes `config` the store's current one once it is known to serve the

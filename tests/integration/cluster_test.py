@@ -255,6 +255,7 @@ def main():
             intruder(net, mnts, mounts, tmp)
             config = host_leaves(r, mnts, mount, mounts, full, config)
             new_host(mnts, mount, mounts, full, config, tmp)
+            config = saved_across_hosts(seed, net, mnts, mount, mounts, tmp)
 
             for h in HOSTS:
                 run("umount", mnts[h])
@@ -711,6 +712,140 @@ def new_host(mnts, mount, mounts, full, config, tmp):
     for h in ["h1", "h2"]:
         assert cluster_status(mnts[h])["bytes_served"].get("h3", 0) == served_before[h], h
     print(f"h3 joined with an empty store: {served} bytes from h0, the shards once")
+
+
+SAVE_CONFIG = "tp=2,pp=4,dp=1,hosts=h0+h1+h2+h3"  # two ranks a host, all dp_rank 0
+
+
+def save_ranks(mnt, step, config, shards, ranks):
+    """The workers of one host save `ranks` through its mount, as
+    Megatron's dp_rank 0 ranks do."""
+    for rank in ranks:
+        path = f"{mnt}/ckpt/step-{step:08d}/rank-{rank:05d}/model.safetensors"
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_safetensors(path, shards[rank], {"scalai.config": config})
+
+
+def host_ranks(host, config=SAVE_CONFIG):
+    tp, pp, dp, _ = parse_config(config)
+    hosts = hosts_of(config)
+    per = tp * pp * dp // len(hosts)
+    i = hosts.index(host)
+    return range(i * per, (i + 1) * per)
+
+
+def latest(mnt):
+    return os.readlink(f"{mnt}/ckpt/latest")
+
+
+def saves_waiting(mnt):
+    return {s["step"]: s["voted"] for s in cluster_status(mnt)["saves"]}
+
+
+def wait_voted(mnt, step, voters, timeout=30):
+    deadline = time.time() + timeout
+    while sorted(saves_waiting(mnt).get(step, [])) != sorted(voters):
+        assert time.time() < deadline, (step, voters, cluster_status(mnt)["saves"])
+        time.sleep(0.1)
+
+
+def wait_latest(mnts, step, timeout=60):
+    deadline = time.time() + timeout
+    want = f"step-{step:08d}"
+    while True:
+        got = {h: latest(m) for h, m in mnts.items()}
+        if all(v == want for v in got.values()):
+            return
+        assert time.time() < deadline, (want, got, {h: status(m)["error"] for h, m in mnts.items()})
+        time.sleep(0.1)
+
+
+def saved_across_hosts(seed, net, mnts, mount, mounts, tmp):
+    """Steps saved through the four hosts' mounts, each host its own ranks:
+    a step commits on every host once every host voted, and not before; a
+    rank of another host, or a config naming no hosts, is refused; a host
+    SIGKILLed partway leaves the step uncommitted everywhere, and mounted
+    again drops it everywhere (earlier steps intact); a host cut off saves
+    its part and the step commits when its cable is back."""
+    config = SAVE_CONFIG
+    assert write_config(mnts["h1"], config) == 0
+    wait_all(mnts, config)
+    before = latest(mnts["h0"])
+    # A config without hosts= cannot be saved under in a cluster.
+    assert write_config(mnts["h0"], "tp=2,pp=4,dp=1") == 0
+    wait_all(mnts, "tp=2,pp=4,dp=1")
+    try:
+        os.mkdir(f"{mnts['h0']}/ckpt/step-00000019")
+        raise AssertionError("a step was begun under a config naming no hosts")
+    except OSError:
+        pass
+    assert "names its hosts" in status(mnts["h0"])["error"], status(mnts["h0"])
+    assert write_config(mnts["h0"], config) == 0
+    wait_all(mnts, config)
+
+    def model(k):
+        full = random_gpt(np.random.default_rng(seed + k), LAYERS, HIDDEN, HEADS, GROUPS, FFN,
+                          VOCAB, gated=True)
+        return full, rank_shards(full, config, True, DIVISOR, LAYERS)
+
+    # Step 20: three hosts save, nothing commits; the fourth, and it does.
+    full, shards = model(20)
+    os.makedirs(f"{mnts['h0']}/ckpt/step-00000020")
+    try:
+        os.makedirs(f"{mnts['h0']}/ckpt/step-00000020/rank-00002")
+        raise AssertionError("h0 took a rank of h1")
+    except OSError as e:
+        assert e.errno in (errno.EACCES, errno.EPERM), e
+    for h in ["h0", "h1", "h2"]:
+        save_ranks(mnts[h], 20, config, shards, host_ranks(h))
+    wait_voted(mnts["h3"], 20, ["h0", "h1", "h2"])
+    time.sleep(1)  # two beats: no host may commit without h3
+    assert all(latest(m) == before for m in mnts.values()), {h: latest(m) for h, m in mnts.items()}
+    save_ranks(mnts["h3"], 20, config, shards, host_ranks("h3"))
+    wait_latest(mnts, 20)
+    for h, m in mnts.items():
+        check_bytes(m, full, config, LAYERS, DIVISOR)
+        assert saves_waiting(m) == {}, (h, cluster_status(m)["saves"])
+    print(f"step 20 saved across four hosts: committed on all once h3 saved its ranks")
+
+    # Step 30: h3's mount SIGKILLed with one rank of its two saved.
+    _, shards30 = model(30)
+    for h in ["h0", "h1", "h2"]:
+        save_ranks(mnts[h], 30, config, shards30, host_ranks(h))
+    save_ranks(mnts["h3"], 30, config, shards30, host_ranks("h3")[:1])
+    wait_voted(mnts["h0"], 30, ["h0", "h1", "h2"])
+    kill_host("h3", mnts, mounts, tmp)
+    time.sleep(1)
+    others = {h: m for h, m in mnts.items() if h != "h3"}
+    assert all(latest(m) == "step-00000020" for m in others.values())
+    mount("h3")
+    wait_all(mnts, config)
+    deadline = time.time() + 30
+    while any(saves_waiting(m) for m in mnts.values()):
+        assert time.time() < deadline, {h: cluster_status(m)["saves"] for h, m in mnts.items()}
+        time.sleep(0.1)
+    for h, m in mnts.items():
+        assert latest(m) == "step-00000020", (h, latest(m))
+        assert "step-00000030" not in os.listdir(f"{m}/ckpt"), (h, os.listdir(f"{m}/ckpt"))
+        check_bytes(m, full, config, LAYERS, DIVISOR)
+    print("h3 killed while saving step 30: no host committed it; mounted again, it was dropped")
+
+    # Step 30 again, with h1 cut off meanwhile: it commits once h1 is back.
+    full, shards = model(31)
+    net.link("h1", False)
+    try:
+        for h in HOSTS:
+            save_ranks(mnts[h], 30, config, shards, host_ranks(h))
+        wait_voted(mnts["h0"], 30, ["h0", "h2", "h3"])
+        time.sleep(1)
+        assert all(latest(m) == "step-00000020" for m in mnts.values())
+    finally:
+        net.link("h1", True)
+    wait_latest(mnts, 30)
+    for m in mnts.values():
+        check_bytes(m, full, config, LAYERS, DIVISOR)
+    print("step 30 saved while h1 was cut off: committed everywhere once it was back")
+    return config
 
 
 if __name__ == "__main__":

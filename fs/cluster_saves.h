@@ -1,0 +1,95 @@
+// ClusterSaves commits a step saved across the hosts of a cluster as one
+// (docs/reference.md, "Clusters"), in two phases through etcd:
+//
+//  1. Workers save their ranks through their own host's mount. Once the
+//     ranks with dp_rank 0 of a host are whole, the job records its part
+//     pending (PendingStep, durable) and the host votes for the step: the
+//     key saves/STEP/vote/HOST says what it holds.
+//  2. Once every host that runs a dp_rank 0 rank under the step's config
+//     has voted, any host commits the step with one etcd transaction
+//     (saves/STEP/committed, on condition that the votes are as read and
+//     nothing committed it), and every host records it: with its part if
+//     it saved one, else holding none of it (its views read from peers).
+//
+// A step some host did not finish is dropped everywhere: a host that starts
+// again finds the votes of a step it never voted for, withdraws them (in a
+// transaction that a commit cannot race), and every host whose vote is gone
+// drops its part.
+//
+//   ClusterSaves saves(job, *etcd, "h0", [](auto& what) { return key; });
+//   RETURN_IF_ERROR(saves.Reconcile());  // once, at the host's start
+//   RETURN_IF_ERROR(saves.Advance());    // then at every beat
+#ifndef SCALAI_FS_CLUSTER_SAVES_H_
+#define SCALAI_FS_CLUSTER_SAVES_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "fs/job.h"
+#include "nlohmann/json.hpp"
+#include "ptc/parallel_config.h"
+#include "transfer/etcd_client.h"
+
+namespace scalai {
+
+class ClusterSaves {
+ public:
+  // etcd's key for `what` (below the job's prefix).
+  using KeyOf = std::function<std::string(const std::string& what)>;
+
+  ClusterSaves(Job& job, EtcdClient& etcd, std::string host, KeyOf key);
+
+  // The ranks of `config` saved on `host`; refused for a config that names
+  // no hosts (every host would hold every rank) or leaves `host` out.
+  static absl::StatusOr<std::vector<int>> RanksOfHost(
+      const ParallelConfig& config, const std::string& host);
+  // The hosts whose votes commit a step saved under `config`: those that
+  // run a rank with dp_rank 0.
+  static std::set<std::string> Voters(const ParallelConfig& config);
+
+  // At the host's start, before the job takes saves: applies what the
+  // cluster decided while it was away, and withdraws the votes of steps it
+  // did not finish.
+  absl::Status Reconcile();
+  // One round: votes for parts saved since, commits steps every voter
+  // voted for, records committed steps and drops withdrawn ones.
+  absl::Status Advance();
+
+  // The steps being saved as the last round saw them, for `status`.
+  nlohmann::json Status() const;
+
+ private:
+  // What etcd holds of one step's save.
+  struct StepKeys {
+    std::map<std::string, EtcdClient::KeyValue> votes;  // by host
+    std::optional<EtcdClient::KeyValue> committed;
+  };
+  absl::StatusOr<std::map<int64_t, StepKeys>> ReadSaves();
+  std::string StepPrefix(int64_t step) const;
+  absl::Status Vote(const PendingStep& pending, StepKeys& keys);
+  // Commits `step` when every voter voted, under one config; true if it
+  // now is committed.
+  absl::StatusOr<bool> TryCommit(int64_t step, StepKeys& keys);
+  absl::Status Withdraw(int64_t step);
+
+  Job& job_;
+  EtcdClient& etcd_;
+  const std::string host_;
+  const KeyOf key_;
+  // Steps this host voted for and still holds pending. Only the caller of
+  // Reconcile and Advance (one thread) uses it.
+  std::set<int64_t> voted_;
+  mutable std::mutex mu_;
+  nlohmann::json status_ = nlohmann::json::array();  // guarded by mu_
+};
+
+}  // namespace scalai
+
+#endif  // SCALAI_FS_CLUSTER_SAVES_H_
