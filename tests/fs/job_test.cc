@@ -9,6 +9,7 @@
 
 #include "nlohmann/json.hpp"
 #include "tests/store_fixture.h"
+#include "transfer/fsck.h"
 
 namespace scalai {
 namespace {
@@ -133,6 +134,102 @@ TEST_F(JobTest, HostsAreRefusedWithoutAClusterAndAskedOfOneWithIt) {
   ASSERT_TRUE(job->ApplyAgreed(*ParallelConfig::Parse("tp=1,pp=1,dp=1")).ok());
   EXPECT_EQ(asked.size(), 2u);
   ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+}
+
+// On a host of a cluster a step's part saved here waits, pending and
+// unseen, until the cluster commits the step (then it shows, holding this
+// host's part) or drops it (then its blobs go); ranks of other hosts are
+// refused.
+TEST_F(JobTest, AHostsPartOfAStepWaitsForTheCluster) {
+  std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
+  job->SetAgreement([](const ParallelConfig&) { return absl::OkStatus(); });
+  const ParallelConfig hosted =
+      *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=a+b");
+  ASSERT_TRUE(job->Reconfigure(hosted).ok());
+  ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+  std::vector<int64_t> saved;
+  job->SetSaveAgreement(
+      {[](const ParallelConfig&) { return std::vector<int>{0}; },
+       [&](int64_t step) { saved.push_back(step); }});
+  auto save_rank0 = [&](int64_t step) {
+    SaveArea& area = job->saves();
+    auto dir = area.MkdirStep(absl::StrFormat("step-%08d", step), hosted);
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    absl::StatusOr<SaveNode> other = area.Mkdir(dir->ino, "rank-00001");
+    EXPECT_EQ(other.status().code(), absl::StatusCode::kPermissionDenied);
+    EXPECT_NE(other.status().message().find("runs on another host"),
+              std::string::npos)
+        << other.status();
+    auto rank = area.Mkdir(dir->ino, "rank-00000");
+    ASSERT_TRUE(rank.ok()) << rank.status();
+    auto file = area.Create(rank->ino, "model.safetensors");
+    ASSERT_TRUE(file.ok()) << file.status();
+    const std::string bytes = DirectShardFile(hosted, 0);
+    ASSERT_TRUE(
+        file->second->Write(bytes.data(), static_cast<int64_t>(bytes.size()), 0)
+            .ok());
+    absl::StatusOr<bool> complete = area.Close(file->first.ino, file->second);
+    ASSERT_TRUE(complete.ok()) << complete.status();
+    EXPECT_TRUE(*complete);
+    ASSERT_TRUE(job->PublishStep(step).ok());
+  };
+  auto shows = [&](int64_t step) {
+    return Walk(*job->current(),
+                {"ckpt", absl::StrFormat("step-%08d", step).c_str()}) !=
+           nullptr;
+  };
+
+  save_rank0(50);
+  EXPECT_EQ(saved, std::vector<int64_t>{50});
+  EXPECT_FALSE(store_->FindStep(50)->has_value());
+  EXPECT_FALSE(shows(50));
+  auto pending = store_->PendingSteps();
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  ASSERT_EQ(pending->size(), 1u);
+  EXPECT_EQ((*pending)[0].record.held, std::vector<int>{0});
+  EXPECT_TRUE(CheckStore(*store_, {})->empty());
+
+  StepRecord agreed;
+  agreed.step = 50;
+  agreed.config = hosted.ToString();
+  agreed.groups = 2;
+  agreed.bytes = 1234;
+  ASSERT_TRUE(job->CommitAgreedStep(agreed).ok());
+  EXPECT_TRUE(store_->PendingSteps()->empty());
+  const StepRecord committed = **store_->FindStep(50);
+  EXPECT_EQ(committed.held, std::vector<int>{0});
+  EXPECT_EQ(committed.bytes, 1234);
+  ASSERT_TRUE(shows(50));
+  const Node* file = Walk(*job->current(), {"ckpt", "step-00000050",
+                                            "rank-00000", "model.safetensors"});
+  ASSERT_NE(file, nullptr);
+  const std::string got = ReadNode(*job->current(), *file, 1 << 20);
+  const std::string want = DirectShardFile(hosted, 0);
+  auto got_header =
+      SafetensorsHeader::Parse(got, static_cast<int64_t>(got.size()));
+  auto want_header =
+      SafetensorsHeader::Parse(want, static_cast<int64_t>(want.size()));
+  ASSERT_TRUE(got_header.ok()) << got_header.status();
+  EXPECT_EQ(got.substr(got_header->data_start()),
+            want.substr(want_header->data_start()));
+  EXPECT_TRUE(CheckStore(*store_, {})->empty());
+
+  // A step the cluster drops leaves nothing behind.
+  const auto blob_files = [&] {
+    return std::distance(fs::directory_iterator(dir_ / "store" / "blobs"),
+                         fs::directory_iterator());
+  };
+  const auto blobs_with_50 = blob_files();
+  save_rank0(51);
+  EXPECT_EQ(blob_files(), blobs_with_50 + 1);
+  ASSERT_TRUE(job->DiscardSave(51).ok());
+  EXPECT_TRUE(store_->PendingSteps()->empty());
+  EXPECT_EQ(blob_files(), blobs_with_50);
+  EXPECT_FALSE(shows(51));
+  EXPECT_TRUE(CheckStore(*store_, {})->empty());
+  // Its number may be saved again.
+  save_rank0(51);
+  EXPECT_EQ(store_->PendingSteps()->size(), 1u);
 }
 
 TEST_F(JobTest, OlderTreesLiveWhileTheKernelNamesThem) {
