@@ -124,7 +124,11 @@ absl::Status ClusterMember::Start() {
   // first, then this host's saves go through the cluster.
   saves_ = std::make_unique<ClusterSaves>(
       job_, *etcd_, host_,
-      [this](const std::string& what) { return Key(what); });
+      [this](const std::string& what) { return Key(what); },
+      [this](const std::string& name) -> PeerClient* {
+        auto it = peers_by_name_.find(name);
+        return it == peers_by_name_.end() ? nullptr : it->second.data.get();
+      });
   RETURN_IF_ERROR(saves_->Reconcile());
   job_.SetSaveAgreement({[this](const ParallelConfig& config) {
                            return ClusterSaves::RanksOfHost(config, host_);

@@ -1,12 +1,18 @@
 #include "fs/cluster_saves.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "ptc/status_macros.h"
+#include "transfer/blob_checksum.h"
+#include "transfer/extra_copy.h"
+#include "transfer/files.h"
 
 namespace scalai {
 namespace {
@@ -45,8 +51,12 @@ absl::StatusOr<StepRecord> StepFromJson(int64_t step, const std::string& value,
 }  // namespace
 
 ClusterSaves::ClusterSaves(Job& job, EtcdClient& etcd, std::string host,
-                           KeyOf key)
-    : job_(job), etcd_(etcd), host_(std::move(host)), key_(std::move(key)) {}
+                           KeyOf key, PeerOf peer_of)
+    : job_(job),
+      etcd_(etcd),
+      host_(std::move(host)),
+      key_(std::move(key)),
+      peer_of_(std::move(peer_of)) {}
 
 absl::StatusOr<std::vector<int>> ClusterSaves::RanksOfHost(
     const ParallelConfig& config, const std::string& host) {
@@ -120,10 +130,7 @@ absl::Status ClusterSaves::Reconcile() {
     mine.insert(p.record.step);
     StepKeys& keys = steps[p.record.step];
     if (keys.committed) {
-      ASSIGN_OR_RETURN(StepRecord agreed,
-                       StepFromJson(p.record.step, keys.committed->value,
-                                    keys.committed->key));
-      RETURN_IF_ERROR(job_.CommitAgreedStep(agreed));
+      RETURN_IF_ERROR(Record(p.record.step, *keys.committed));
     } else if (keys.votes.contains(host_)) {
       voted_.insert(p.record.step);  // still waiting for the others
     }
@@ -158,6 +165,19 @@ absl::Status ClusterSaves::Withdraw(int64_t step) {
 absl::Status ClusterSaves::Vote(const PendingStep& pending, StepKeys& keys) {
   nlohmann::json vote = StepJson(pending.record);
   vote["held"] = pending.record.held.value_or(std::vector<int>());
+  // The extra files saved here, for the other hosts to copy and check.
+  nlohmann::json extra = nlohmann::json::object();
+  for (const auto& [rank, files] : pending.record.extra) {
+    nlohmann::json list = nlohmann::json::array();
+    for (const ExtraFile& f : files) {
+      ASSIGN_OR_RETURN(BlobRecord blob, job_.store().Blob(f.blob));
+      list.push_back({{"path", f.path},
+                      {"size", f.size},
+                      {"sums", EncodeChunkSums(blob.chunks)}});
+    }
+    extra[std::to_string(rank)] = {{"host", host_}, {"files", list}};
+  }
+  vote["extra"] = extra;
   const std::string key = StepPrefix(pending.record.step) + "vote/" + host_;
   ASSIGN_OR_RETURN(int64_t revision, etcd_.PutValue(key, vote.dump()));
   EtcdClient::KeyValue& kv = keys.votes[host_];
@@ -170,8 +190,13 @@ absl::Status ClusterSaves::Vote(const PendingStep& pending, StepKeys& keys) {
 
 absl::StatusOr<bool> ClusterSaves::TryCommit(int64_t step, StepKeys& keys) {
   std::optional<StepRecord> agreed;
+  nlohmann::json extra = nlohmann::json::object();
   for (const auto& [host, kv] : keys.votes) {
     ASSIGN_OR_RETURN(StepRecord vote, StepFromJson(step, kv.value, kv.key));
+    const nlohmann::json j = nlohmann::json::parse(kv.value, nullptr, false);
+    if (j.contains("extra") && j["extra"].is_object()) {
+      for (const auto& [rank, files] : j["extra"].items()) extra[rank] = files;
+    }
     if (!agreed) {
       agreed = vote;
       agreed->bytes = 0;
@@ -195,12 +220,14 @@ absl::StatusOr<bool> ClusterSaves::TryCommit(int64_t step, StepKeys& keys) {
   txn.conditions.push_back({committed, 0});
   for (const auto& [host, kv] : keys.votes)
     txn.conditions.push_back({kv.key, kv.mod_revision});
-  txn.puts.push_back({committed, StepJson(*agreed).dump()});
+  nlohmann::json value = StepJson(*agreed);
+  value["extra"] = std::move(extra);
+  txn.puts.push_back({committed, value.dump()});
   txn.delete_prefixes.push_back(StepPrefix(step) + "vote/");
   ASSIGN_OR_RETURN(EtcdClient::Committed done, etcd_.Commit(txn));
   if (!done.applied) return false;  // another host did, or one withdrew
-  keys.committed = EtcdClient::KeyValue{committed, StepJson(*agreed).dump(),
-                                        done.revision, done.revision, 0};
+  keys.committed = EtcdClient::KeyValue{committed, value.dump(), done.revision,
+                                        done.revision, 0};
   keys.votes.clear();
   return true;
 }
@@ -238,10 +265,7 @@ absl::Status ClusterSaves::Advance() {
   nlohmann::json status = nlohmann::json::array();
   for (const auto& [step, keys] : steps) {
     if (keys.committed && (mine.contains(step) || step > newest)) {
-      ASSIGN_OR_RETURN(
-          StepRecord agreed,
-          StepFromJson(step, keys.committed->value, keys.committed->key));
-      RETURN_IF_ERROR(job_.CommitAgreedStep(agreed));
+      RETURN_IF_ERROR(Record(step, *keys.committed));
       voted_.erase(step);
     }
     if (!keys.committed && !keys.votes.empty()) {
@@ -252,6 +276,60 @@ absl::Status ClusterSaves::Advance() {
   }
   std::lock_guard<std::mutex> lock(mu_);
   status_ = std::move(status);
+  return absl::OkStatus();
+}
+
+absl::Status ClusterSaves::Record(int64_t step,
+                                  const EtcdClient::KeyValue& committed) {
+  ASSIGN_OR_RETURN(StepRecord agreed,
+                   StepFromJson(step, committed.value, committed.key));
+  const nlohmann::json j =
+      nlohmann::json::parse(committed.value, nullptr, false);
+  std::map<std::string, BlobRecord> copied;
+  // Copies not recorded (a peer failed midway) go; the next round tries
+  // again.
+  bool recorded = false;
+  absl::Cleanup drop = [&] {
+    if (recorded) return;
+    for (const auto& [blob, record] : copied)
+      unlink(job_.store().BlobPath(blob).c_str());
+  };
+  if (j.contains("extra") && j["extra"].is_object()) {
+    for (const auto& [rank_text, saved] : j["extra"].items()) {
+      int rank = -1;
+      const std::string from = saved.value("host", "");
+      if (from == host_) continue;  // saved here: in the pending part
+      PeerClient* peer = peer_of_(from);
+      if (!absl::SimpleAtoi(rank_text, &rank) || peer == nullptr ||
+          !saved.contains("files") || !saved["files"].is_array()) {
+        return absl::DataLossError(
+            absl::StrCat("etcd key ", committed.key,
+                         " names extra files it cannot: ", saved.dump()));
+      }
+      for (const nlohmann::json& f : saved["files"]) {
+        RemoteExtra extra;
+        extra.step = step;
+        extra.rank = rank;
+        try {
+          extra.path = f.at("path").get<std::string>();
+          extra.size = f.at("size").get<int64_t>();
+          ASSIGN_OR_RETURN(extra.sums,
+                           DecodeChunkSums(f.at("sums").get<std::string>()));
+        } catch (const std::exception&) {
+          return absl::DataLossError(
+              absl::StrCat("etcd key ", committed.key,
+                           " holds a bad extra file: ", f.dump()));
+        }
+        ASSIGN_OR_RETURN(CopiedExtra copy,
+                         CopyExtraFile(job_.store(), *peer, extra));
+        agreed.extra[rank].push_back(copy.file);
+        copied[copy.file.blob] = copy.record;
+      }
+    }
+  }
+  if (!copied.empty()) RETURN_IF_ERROR(SyncDir(job_.store().blob_dir()));
+  RETURN_IF_ERROR(job_.CommitAgreedStep(agreed, copied));
+  recorded = true;
   return absl::OkStatus();
 }
 

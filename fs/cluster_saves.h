@@ -9,7 +9,8 @@
 //     has voted, any host commits the step with one etcd transaction
 //     (saves/STEP/committed, on condition that the votes are as read and
 //     nothing committed it), and every host records it: with its part if
-//     it saved one, else holding none of it (its views read from peers).
+//     it saved one, else holding no shard of it (its views read them from
+//     peers), and with a copy of every extra/ file other hosts saved.
 //
 // A step some host did not finish is dropped everywhere: a host that starts
 // again finds the votes of a step it never voted for, withdraws them (in a
@@ -36,6 +37,7 @@
 #include "nlohmann/json.hpp"
 #include "ptc/parallel_config.h"
 #include "transfer/etcd_client.h"
+#include "transfer/peer_client.h"
 
 namespace scalai {
 
@@ -43,8 +45,11 @@ class ClusterSaves {
  public:
   // etcd's key for `what` (below the job's prefix).
   using KeyOf = std::function<std::string(const std::string& what)>;
+  // The client that reads bytes from host `name`; null for no such peer.
+  using PeerOf = std::function<PeerClient*(const std::string& name)>;
 
-  ClusterSaves(Job& job, EtcdClient& etcd, std::string host, KeyOf key);
+  ClusterSaves(Job& job, EtcdClient& etcd, std::string host, KeyOf key,
+               PeerOf peer_of);
 
   // The ranks of `config` saved on `host`; refused for a config that names
   // no hosts (every host would hold every rank) or leaves `host` out.
@@ -78,11 +83,15 @@ class ClusterSaves {
   // now is committed.
   absl::StatusOr<bool> TryCommit(int64_t step, StepKeys& keys);
   absl::Status Withdraw(int64_t step);
+  // Records a committed step here, with copies of the extra files other
+  // hosts saved of it.
+  absl::Status Record(int64_t step, const EtcdClient::KeyValue& committed);
 
   Job& job_;
   EtcdClient& etcd_;
   const std::string host_;
   const KeyOf key_;
+  const PeerOf peer_of_;
   // Steps this host voted for and still holds pending. Only the caller of
   // Reconcile and Advance (one thread) uses it.
   std::set<int64_t> voted_;

@@ -233,13 +233,14 @@ absl::Status Job::PublishStep(int64_t step) {
   return absl::OkStatus();
 }
 
-absl::Status Job::CommitAgreedStep(const StepRecord& agreed) {
+absl::Status Job::CommitAgreedStep(
+    const StepRecord& agreed, const std::map<std::string, BlobRecord>& copied) {
   std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
   std::vector<std::string> names;
   OnSwitch on_switch;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(store_.CommitAgreedStep(agreed));
+    RETURN_IF_ERROR(store_.CommitAgreedStep(agreed, copied));
     saves_->Committed(agreed.step);
     RETURN_IF_ERROR(ShowCommittedLocked(agreed.step, retired));
     names = RootNamesLocked();

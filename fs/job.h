@@ -131,7 +131,9 @@ class Job {
   absl::Status PublishStep(int64_t step);
   // The cluster committed a step, described by `agreed`: recorded with what
   // this host saved of it (Store::CommitAgreedStep), then as PublishStep.
-  absl::Status CommitAgreedStep(const StepRecord& agreed);
+  absl::Status CommitAgreedStep(
+      const StepRecord& agreed,
+      const std::map<std::string, BlobRecord>& copied = {});
   // The cluster dropped a step: what this host saved or is saving of it
   // goes.
   absl::Status DiscardSave(int64_t step);

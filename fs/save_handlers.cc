@@ -91,7 +91,9 @@ void OnMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t) {
   if (RefuseLongName(req, name)) return;
   Server& s = Get(req);
   absl::StatusOr<SaveNode> made = absl::PermissionDeniedError("read-only");
+  bool saving = false;  // a refusal of the save area is shown in status
   if (SaveArea::Owns(parent)) {
+    saving = true;
     made = s.job->saves().Mkdir(parent, name);
   } else {
     std::shared_ptr<const Tree> tree = s.job->TreeOf(parent);
@@ -104,12 +106,15 @@ void OnMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t) {
     } else if (existing.ok() && *existing != nullptr) {
       made = absl::AlreadyExistsError(absl::StrCat(name, " exists"));
     } else if (IsCkptDir(*dir)) {
+      saving = true;
       made = s.job->saves().MkdirStep(name, tree->config());
     }
   }
   if (!made.ok()) {
-    if (made.status().code() == absl::StatusCode::kInvalidArgument ||
-        made.status().code() == absl::StatusCode::kFailedPrecondition) {
+    const absl::StatusCode code = made.status().code();
+    if (code == absl::StatusCode::kInvalidArgument ||
+        code == absl::StatusCode::kFailedPrecondition ||
+        (saving && code == absl::StatusCode::kPermissionDenied)) {
       ReportSaveError(s, made.status());
     }
     fuse_reply_err(req,

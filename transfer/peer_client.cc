@@ -150,4 +150,28 @@ absl::StatusOr<int64_t> PeerClient::ReadFile(const std::string& path,
   return got;
 }
 
+absl::StatusOr<int64_t> PeerClient::ReadExtra(int64_t step, int rank,
+                                              const std::string& path,
+                                              int64_t offset, int64_t length,
+                                              char* out) {
+  const std::string where =
+      absl::StrCat("peer ", peer_.name, " (", peer_.address, "), step ", step,
+                   " rank ", rank, " extra/", path);
+  grpc::ClientContext ctx;
+  Prepare(ctx, options_.host, options_.token, options_.deadline);
+  peer::ReadExtraRequest request;
+  request.set_step(step);
+  request.set_rank(rank);
+  request.set_path(path);
+  request.set_offset(offset);
+  request.set_length(length);
+  std::unique_ptr<grpc::ClientReader<peer::Chunk>> reader =
+      channel_->stub->ReadExtra(&ctx, request);
+  absl::StatusOr<int64_t> got =
+      Drain(ctx, *reader, length, out, bytes_fetched_, where);
+  if (!got.ok()) return Count(got.status());
+  Count(absl::OkStatus()).IgnoreError();  // it answered: reachable again
+  return got;
+}
+
 }  // namespace scalai

@@ -59,6 +59,12 @@ class PeerClient {
   absl::StatusOr<int64_t> ReadFile(const std::string& path, int64_t offset,
                                    int64_t length, char* out);
 
+  // Bytes [offset, offset + length) of rank `rank`'s extra/`path` of a
+  // step, as the peer saved it (peer.proto, ReadExtra).
+  absl::StatusOr<int64_t> ReadExtra(int64_t step, int rank,
+                                    const std::string& path, int64_t offset,
+                                    int64_t length, char* out);
+
   int64_t bytes_fetched() const { return bytes_fetched_.load(); }
   int64_t errors() const { return errors_.load(); }
   // False after a call that found the peer down or silent, until one

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
+#include "transfer/blob_reader.h"
 #include "transfer/peer.grpc.pb.h"
 #include "transfer/peer_call.h"
 #include "transfer/step_view.h"
@@ -126,6 +127,29 @@ struct PeerServer::State {
         absl::StrCat("host ", options.host, " has no step ", step));
   }
 
+  // The blob of rank `rank`'s extra/`path` of `step`, as this host saved
+  // it: in the step's record, or in its pending part.
+  absl::StatusOr<std::string> ExtraBlob(int64_t step, int rank,
+                                        const std::string& path) const {
+    std::vector<StepRecord> records;
+    ASSIGN_OR_RETURN(std::optional<StepRecord> record, store->FindStep(step));
+    if (record) records.push_back(*std::move(record));
+    ASSIGN_OR_RETURN(std::vector<PendingStep> pending, store->PendingSteps());
+    for (PendingStep& p : pending) {
+      if (p.record.step == step) records.push_back(std::move(p.record));
+    }
+    for (const StepRecord& r : records) {
+      auto files = r.extra.find(rank);
+      if (files == r.extra.end()) continue;
+      for (const ExtraFile& f : files->second) {
+        if (f.path == path) return f.blob;
+      }
+    }
+    return absl::NotFoundError(
+        absl::StrCat("host ", options.host, " holds no extra/", path,
+                     " of rank ", rank, " of step ", step));
+  }
+
   // The caller's name if it presented the job's token; else the refusal,
   // counted.
   grpc::Status Admit(const grpc::ServerContext& ctx, std::string* caller) {
@@ -221,6 +245,47 @@ class PeerServer::Service final : public peer::Peer::Service {
       }
       if (held < n) break;  // holds no more: the caller asks another host
       at += n;
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ReadExtra(grpc::ServerContext* ctx,
+                         const peer::ReadExtraRequest* request,
+                         grpc::ServerWriter<peer::Chunk>* writer) override {
+    std::string caller;
+    if (grpc::Status admitted = s_.Admit(*ctx, &caller); !admitted.ok()) {
+      return admitted;
+    }
+    absl::StatusOr<std::string> blob =
+        s_.ExtraBlob(request->step(), request->rank(), request->path());
+    if (!blob.ok()) return s_.Fail(blob.status());
+    std::shared_ptr<const BlobReader> reader =
+        BlobReader::Open(*s_.store, *blob);
+    const int64_t size = reader->size();
+    const int64_t offset = request->offset();
+    if (offset < 0 || request->length() < 0 || offset > size) {
+      return s_.Fail(absl::OutOfRangeError(
+          absl::StrCat("bytes [", offset, ", +", request->length(), ") of a ",
+                       size, "-byte file")));
+    }
+    const int64_t length = std::min(request->length(), size - offset);
+    peer::Chunk chunk;
+    std::string& buffer = *chunk.mutable_data();
+    for (int64_t at = 0; at < length; at += kChunkBytes) {
+      if (ctx->IsCancelled()) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
+      }
+      const int64_t n = std::min(kChunkBytes, length - at);
+      buffer.resize(static_cast<size_t>(n));
+      if (absl::Status read = reader->Read(buffer.data(), n, offset + at);
+          !read.ok()) {
+        return s_.Fail(read);
+      }
+      if (!writer->Write(chunk)) {
+        return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
+      }
+      std::lock_guard<std::mutex> lock(s_.mu);
+      s_.counters.bytes_served[caller] += n;
     }
     return grpc::Status::OK;
   }

@@ -549,7 +549,8 @@ absl::StatusOr<std::vector<PendingStep>> Store::PendingSteps() const {
   return out;
 }
 
-absl::Status Store::CommitAgreedStep(const StepRecord& agreed) {
+absl::Status Store::CommitAgreedStep(
+    const StepRecord& agreed, const std::map<std::string, BlobRecord>& copied) {
   ASSIGN_OR_RETURN(std::optional<StepRecord> existing, FindStep(agreed.step));
   if (existing) {
     if (existing->config == agreed.config) return absl::OkStatus();
@@ -560,10 +561,10 @@ absl::Status Store::CommitAgreedStep(const StepRecord& agreed) {
   ASSIGN_OR_RETURN(std::vector<PendingStep> pending, PendingSteps());
   StepRecord record = agreed;
   record.held = std::vector<int>();
-  record.extra.clear();
-  record.extra_config.clear();
   record.retained.clear();
   Catalog::Batch batch;
+  for (const auto& [name, blob] : copied)
+    batch.Put(Table::kBlobs, name, EncodeBlob(blob));
   for (const PendingStep& p : pending) {
     if (p.record.step != agreed.step) continue;
     if (p.record.config != agreed.config || p.record.groups != agreed.groups) {
@@ -572,12 +573,12 @@ absl::Status Store::CommitAgreedStep(const StepRecord& agreed) {
           ", the cluster committed it under ", agreed.config));
     }
     record.held = p.record.held;
-    record.extra = p.record.extra;
-    record.extra_config = p.record.extra_config;
+    for (const auto& [rank, files] : p.record.extra) record.extra[rank] = files;
     for (const auto& [g, shard] : p.shards)
       batch.Put(Table::kShards, ShardKey(agreed.step, g), EncodeShard(shard));
     batch.Delete(Table::kMeta, PendingKey(agreed.step));
   }
+  record.extra_config = record.extra.empty() ? "" : agreed.config;
   batch.Put(Table::kSteps, StepKey(agreed.step), EncodeStep(record));
   return catalog_->Commit(batch);
 }

@@ -201,11 +201,14 @@ class Store {
   // Steps saved here and waiting for the cluster (PendingStep), by step.
   absl::StatusOr<std::vector<PendingStep>> PendingSteps() const;
   // Records the step the cluster committed, as `agreed` describes all of it
-  // (config, groups, bytes, consumed samples): with the shards and extra
-  // files this host saved of it if it has them pending, else holding none
-  // (its views read it from peers). One catalog batch; a step already
-  // recorded under the same config is left as it is.
-  absl::Status CommitAgreedStep(const StepRecord& agreed);
+  // (config, groups, bytes, consumed samples, and the extra files other
+  // hosts saved, copied here into the blobs `copied` records): with the
+  // shards and extra files this host saved of it if it has them pending,
+  // else holding no shard (its views read them from peers). One catalog
+  // batch; a step already recorded under the same config is left as it is.
+  absl::Status CommitAgreedStep(
+      const StepRecord& agreed,
+      const std::map<std::string, BlobRecord>& copied = {});
   // Drops a pending step the cluster will not commit, and its blobs.
   absl::Status DiscardPending(int64_t step);
   // The catalog key and value of a pending step, for its writer's batch.

@@ -719,11 +719,27 @@ SAVE_CONFIG = "tp=2,pp=4,dp=1,hosts=h0+h1+h2+h3"  # two ranks a host, all dp_ran
 
 def save_ranks(mnt, step, config, shards, ranks):
     """The workers of one host save `ranks` through its mount, as
-    Megatron's dp_rank 0 ranks do."""
+    Megatron's dp_rank 0 ranks do: their extra/ files, then the shard."""
     for rank in ranks:
-        path = f"{mnt}/ckpt/step-{step:08d}/rank-{rank:05d}/model.safetensors"
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_safetensors(path, shards[rank], {"scalai.config": config})
+        rank_dir = f"{mnt}/ckpt/step-{step:08d}/rank-{rank:05d}"
+        os.makedirs(f"{rank_dir}/extra/rng", exist_ok=True)
+        with open(f"{rank_dir}/extra/rng/state.bin", "wb") as f:
+            f.write(extra_bytes(step, rank))
+        write_safetensors(f"{rank_dir}/model.safetensors", shards[rank],
+                          {"scalai.config": config})
+
+
+def extra_bytes(step, rank):
+    """An extra file of a few MiB (more than one checksum chunk) per rank."""
+    return np.random.default_rng(step * 1000 + rank).bytes((2 << 20) + 12345 * rank)
+
+
+def check_extras(mnt, step, config=SAVE_CONFIG):
+    """Every rank's extra file, saved on its own host, read on this one."""
+    tp, pp, dp, _ = parse_config(config)
+    for rank in range(tp * pp * dp):
+        with open(f"{mnt}/ckpt/step-{step:08d}/rank-{rank:05d}/extra/rng/state.bin", "rb") as f:
+            assert f.read() == extra_bytes(step, rank), (mnt, step, rank)
 
 
 def host_ranks(host, config=SAVE_CONFIG):
@@ -768,7 +784,8 @@ def saved_across_hosts(seed, net, mnts, mount, mounts, tmp):
     again drops it everywhere (earlier steps intact); a host cut off saves
     its part and the step commits when its cable is back."""
     config = SAVE_CONFIG
-    assert write_config(mnts["h1"], config) == 0
+    wait_live(mnts["h1"], HOSTS)
+    assert write_config(mnts["h1"], config) == 0, status(mnts["h1"])
     wait_all(mnts, config)
     before = latest(mnts["h0"])
     # A config without hosts= cannot be saved under in a cluster.
@@ -777,8 +794,8 @@ def saved_across_hosts(seed, net, mnts, mount, mounts, tmp):
     try:
         os.mkdir(f"{mnts['h0']}/ckpt/step-00000019")
         raise AssertionError("a step was begun under a config naming no hosts")
-    except OSError:
-        pass
+    except OSError as e:
+        assert e.errno == errno.EROFS, e
     assert "names its hosts" in status(mnts["h0"])["error"], status(mnts["h0"])
     assert write_config(mnts["h0"], config) == 0
     wait_all(mnts, config)
@@ -795,7 +812,8 @@ def saved_across_hosts(seed, net, mnts, mount, mounts, tmp):
         os.makedirs(f"{mnts['h0']}/ckpt/step-00000020/rank-00002")
         raise AssertionError("h0 took a rank of h1")
     except OSError as e:
-        assert e.errno in (errno.EACCES, errno.EPERM), e
+        assert e.errno == errno.EACCES, e
+    assert "runs on another host" in status(mnts["h0"])["error"], status(mnts["h0"])
     for h in ["h0", "h1", "h2"]:
         save_ranks(mnts[h], 20, config, shards, host_ranks(h))
     wait_voted(mnts["h3"], 20, ["h0", "h1", "h2"])
@@ -805,6 +823,7 @@ def saved_across_hosts(seed, net, mnts, mount, mounts, tmp):
     wait_latest(mnts, 20)
     for h, m in mnts.items():
         check_bytes(m, full, config, LAYERS, DIVISOR)
+        check_extras(m, 20)
         assert saves_waiting(m) == {}, (h, cluster_status(m)["saves"])
     print(f"step 20 saved across four hosts: committed on all once h3 saved its ranks")
 
@@ -844,6 +863,7 @@ def saved_across_hosts(seed, net, mnts, mount, mounts, tmp):
     wait_latest(mnts, 30)
     for m in mnts.values():
         check_bytes(m, full, config, LAYERS, DIVISOR)
+        check_extras(m, 30)
     print("step 30 saved while h1 was cut off: committed everywhere once it was back")
     return config
 

@@ -14,12 +14,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "tests/store_fixture.h"
+#include "transfer/extra_copy.h"
 #include "transfer/fetch_ahead.h"
 #include "transfer/fsck.h"
 #include "transfer/materializer.h"
 #include "transfer/peer_bytes.h"
 #include "transfer/peer_client.h"
 #include "transfer/peer_server.h"
+#include "transfer/step_writer.h"
 
 namespace scalai {
 namespace {
@@ -590,6 +592,74 @@ TEST_F(PeerTest, ReadsWhileTheServingHostCommitsGetEveryByte) {
   ASSERT_TRUE(writing.ok()) << writing;
   EXPECT_EQ(commits, 24);
   EXPECT_GT(reads, 0);
+}
+
+// A rank's extra file, saved on one host, copied into another host's store
+// (CopyExtraFile): the same bytes, checked against the saving host's sums;
+// a copy that does not match them, or of a file the host does not hold, is
+// refused and leaves no blob.
+TEST_F(PeerTest, ExtraFilesAreCopiedFromTheHostThatSavedThemChecked) {
+  const ParallelConfig config = saved_config();
+  auto writer = StepWriter::Create(*store_, 43, config);
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  for (int rank = 0; rank < config.world_size(); ++rank) {
+    if (config.Coords(rank).dp_rank != 0) continue;
+    auto file = (*writer)->Open(rank);
+    ASSERT_TRUE(file.ok()) << file.status();
+    const std::string bytes = DirectShardFile(config, rank);
+    ASSERT_TRUE((*file)
+                    ->Write(bytes.data(), static_cast<int64_t>(bytes.size()), 0)
+                    .ok());
+    ASSERT_TRUE((*writer)->Close(rank, *file).ok());
+  }
+  std::string state(3 * kBlobChunkBytes / 2 + 7, '\0');
+  for (size_t i = 0; i < state.size(); ++i)
+    state[i] = static_cast<char>(i * 31);
+  auto extra = (*writer)->OpenExtra(1, "rng/state.bin");
+  ASSERT_TRUE(extra.ok()) << extra.status();
+  ASSERT_TRUE((*extra)
+                  ->Write(state.data(), static_cast<int64_t>(state.size()), 0)
+                  .ok());
+  ASSERT_TRUE((*writer)->CloseExtra(1, "rng/state.bin", *extra).ok());
+  ASSERT_TRUE((*writer)->Commit().ok());
+  const StepRecord step = **store_->FindStep(43);
+  const std::vector<uint64_t> sums =
+      store_->Blob(step.extra.at(1)[0].blob)->chunks;
+
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  PeerClient client = Client(*server);
+  fs::create_directories(dir_ / "other");
+  std::unique_ptr<Store> other =
+      *Store::Create((dir_ / "other" / "store").string(), store_->layout());
+  auto blob_files = [&] {
+    return std::distance(fs::directory_iterator(other->blob_dir()),
+                         fs::directory_iterator());
+  };
+  RemoteExtra want{43, 1, "rng/state.bin", static_cast<int64_t>(state.size()),
+                   sums};
+  auto copy = CopyExtraFile(*other, client, want);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  EXPECT_EQ(copy->file.size, static_cast<int64_t>(state.size()));
+  EXPECT_EQ(copy->record.chunks, sums);
+  EXPECT_EQ(ReadAll(other->BlobPath(copy->file.blob)), state);
+  EXPECT_EQ(blob_files(), 1);
+
+  RemoteExtra damaged = want;
+  damaged.sums[1] ^= 1;
+  auto refused = CopyExtraFile(*other, client, damaged);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(refused.status().message().find("does not match"),
+            std::string::npos)
+      << refused.status();
+  RemoteExtra absent = want;
+  absent.path = "rng/other.bin";
+  auto missing = CopyExtraFile(*other, client, absent);
+  EXPECT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("holds no extra/rng/other.bin"),
+            std::string::npos)
+      << missing.status();
+  EXPECT_EQ(blob_files(), 1);
 }
 
 // A CA and a certificate for 127.0.0.1 it signed, made by openssl.
