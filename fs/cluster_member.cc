@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "fs/cluster_coverage.h"
+#include "fs/cluster_datasets.h"
 #include "ptc/status_macros.h"
 
 namespace scalai {
@@ -93,6 +94,14 @@ absl::Status ClusterMember::Start() {
     peers_by_name_[h.name].data = std::make_unique<PeerClient>(h, calls);
   }
   remote_ = std::make_unique<PeerBytes>([this] { return PeersForBytes(); });
+  // Before the views are built again: a dataset whose copy here differs
+  // from the cluster's is left out of them.
+  ASSIGN_OR_RETURN(
+      datasets_refused_,
+      CompareDatasets(
+          job_.store(), *etcd_,
+          [this](const std::string& what) { return Key(what); }, host_));
+  if (!datasets_refused_.empty()) RETURN_IF_ERROR(job_.Refresh());
   RETURN_IF_ERROR(job_.SetHolding(
       {[this](const ParallelConfig& c) { return HeldGroups(c); },
        remote_.get()}));
@@ -139,6 +148,7 @@ absl::Status ClusterMember::Start() {
   job_.SetStatusSection("cluster", [this] { return StatusSection(); });
   RecordProgress();
   ReadCluster();
+  for (const auto& [name, reason] : datasets_refused_) job_.ReportError(reason);
   beat_ = std::thread([this] { Beat(); });
   check_ = std::thread([this] { CheckPeers(); });
   return absl::OkStatus();
@@ -573,7 +583,8 @@ nlohmann::json ClusterMember::StatusSection() {
                       {"peer_calls_failed", counters.failed},
                       {"bytes_served", served},
                       {"bytes_reused", remote_->bytes_reused()},
-                      {"saves", saves_->Status()}};
+                      {"saves", saves_->Status()},
+                      {"datasets_refused", datasets_refused_}};
   if (!etcd_error_.empty()) j["etcd_error"] = etcd_error_;
   // Each other host as this one last reached it.
   nlohmann::json peers = nlohmann::json::object();

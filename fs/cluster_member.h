@@ -111,6 +111,9 @@ class ClusterMember {
   std::unique_ptr<EtcdClient> etcd_;
   std::unique_ptr<PeerServer> peers_;
   std::unique_ptr<ClusterSaves> saves_;  // used by Start, then the beat
+  // Datasets whose copy here differs from the cluster's, with why; set by
+  // Start.
+  std::map<std::string, std::string> datasets_refused_;
 
   std::mutex mu_;  // guards what follows; never held while calling the job
   int64_t seen_revision_ = 0;  // of the config key, as last seen

@@ -250,6 +250,24 @@ absl::Status Job::CommitAgreedStep(
   return absl::OkStatus();
 }
 
+absl::Status Job::Refresh() {
+  std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
+  std::vector<std::string> names;
+  OnSwitch on_switch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    RETURN_IF_ERROR(CheckGenerationLocked());
+    ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
+                     Tree::Build(store_, current_->config(),
+                                 current_->generation() + 1, holding_.remote));
+    retired = SwitchLocked(std::shared_ptr<const Tree>(std::move(next)));
+    names = RootNamesLocked();
+    on_switch = on_switch_;
+  }
+  if (on_switch) on_switch(std::move(names));
+  return absl::OkStatus();
+}
+
 absl::Status Job::DiscardSave(int64_t step) {
   std::lock_guard<std::mutex> lock(mu_);
   saves_->Discard(step);

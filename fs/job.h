@@ -137,6 +137,9 @@ class Job {
   // The cluster dropped a step: what this host saved or is saving of it
   // goes.
   absl::Status DiscardSave(int64_t step);
+  // Builds the current views again as a new generation, after something
+  // they show changed outside the job (a dataset withheld).
+  absl::Status Refresh();
   // Materializes the current config, superseding a running materialization:
   // a store whose steps are not stored under it yet catches up.
   void StartMaterialization();

@@ -283,7 +283,9 @@ absl::Status Tree::AddDatasets(const Store& store,
     n.size = static_cast<int64_t>(n.text.size());
   };
   ASSIGN_OR_RETURN(auto records, store.Datasets());
+  const std::map<std::string, std::string> withheld = store.withheld_datasets();
   for (const auto& [name, record] : records) {
+    if (withheld.contains(name)) continue;  // `status` says why
     ASSIGN_OR_RETURN(std::shared_ptr<const DatasetSource> source,
                      DatasetSource::Open(store, name, record));
     // docs/reference.md: where the newest committed step left off.

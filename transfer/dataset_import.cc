@@ -86,14 +86,34 @@ class IndexWriter {
   int64_t size_ = 0;
 };
 
+// Hashes the source files' bytes in order, each after its size, for the
+// record's content_xxh3.
+class ContentHasher {
+ public:
+  ContentHasher() : state_(XXH3_createState()) { XXH3_64bits_reset(state_); }
+  ~ContentHasher() { XXH3_freeState(state_); }
+  ContentHasher(const ContentHasher&) = delete;
+  ContentHasher& operator=(const ContentHasher&) = delete;
+  void File(int64_t size) { XXH3_64bits_update(state_, &size, sizeof(size)); }
+  void Bytes(const void* data, int64_t n) {
+    XXH3_64bits_update(state_, data, static_cast<size_t>(n));
+  }
+  uint64_t digest() const { return XXH3_64bits_digest(state_); }
+
+ private:
+  XXH3_state_t* state_;
+};
+
 // Indexes one JSONL file: every line a JSON value; blank lines are refused,
 // since they would be empty samples. Writes each line's start and, at the
 // end, one past the last line's newline (as if the file ended with one).
 absl::StatusOr<int64_t> IndexJsonl(const FileStamp& stamp, IndexWriter& index,
-                                   Progress& progress) {
+                                   ContentHasher& content, Progress& progress) {
   ASSIGN_OR_RETURN(MappedFile map, MappedFile::Open(stamp.path));
   const char* data = reinterpret_cast<const char*>(map.data());
   const int64_t size = map.size();
+  content.File(size);
+  content.Bytes(data, size);
   int64_t at = 0;
   int64_t lines = 0;
   int64_t reported = 0;
@@ -189,6 +209,7 @@ absl::StatusOr<DatasetRecord> AddDataset(Store& store,
     stamps.push_back(std::move(s));
   }
   Progress progress(total, o.progress);
+  ContentHasher content;
 
   bool committed = false;
   std::string index_path;
@@ -205,7 +226,7 @@ absl::StatusOr<DatasetRecord> AddDataset(Store& store,
                      OpenFile(index_path, O_WRONLY | O_CREAT | O_EXCL, 0600));
     IndexWriter index(fd.get(), index_path);
     for (const FileStamp& s : stamps) {
-      ASSIGN_OR_RETURN(int64_t lines, IndexJsonl(s, index, progress));
+      ASSIGN_OR_RETURN(int64_t lines, IndexJsonl(s, index, content, progress));
       record.parts.push_back({lines, {s}});
       record.samples += lines;
     }
@@ -237,11 +258,20 @@ absl::StatusOr<DatasetRecord> AddDataset(Store& store,
             record.token_dtype, " tokens but ", idx_stamp.path, " holds ",
             dtype, " (one dataset has one token dtype)"));
       }
+      content.File(idx.size());
+      content.Bytes(idx.data(), idx.size());
+      content.File(bin_stamp.size);
+      RETURN_IF_ERROR(
+          ReadChunks(bin_stamp.path, [&](const char* data, int64_t n) {
+            content.Bytes(data, n);
+            return absl::OkStatus();
+          }));
       progress.Add(idx_stamp.size + bin_stamp.size);
       record.parts.push_back({header->sequences(), {idx_stamp, bin_stamp}});
       record.samples += header->sequences();
     }
   }
+  record.content_xxh3 = content.digest();
   // A file written while it was read has changed under the index.
   for (const DatasetRecord::Part& part : record.parts) {
     for (const FileStamp& s : part.files) {

@@ -677,6 +677,10 @@ absl::StatusOr<std::map<std::string, DatasetRecord>> Store::Datasets() const {
       d.index_size = j.at("index_size").get<int64_t>();
       d.index_xxh3 =
           std::stoull(j.at("index_xxh3").get<std::string>(), nullptr, 16);
+      if (j.contains("content_xxh3")) {
+        d.content_xxh3 =
+            std::stoull(j.at("content_xxh3").get<std::string>(), nullptr, 16);
+      }
       for (const json& p : j.at("parts")) {
         DatasetRecord::Part part;
         part.samples = p.at("samples").get<int64_t>();
@@ -693,6 +697,16 @@ absl::StatusOr<std::map<std::string, DatasetRecord>> Store::Datasets() const {
     datasets[key] = std::move(d);
   }
   return datasets;
+}
+
+void Store::WithholdDataset(const std::string& name, std::string reason) {
+  std::lock_guard<std::mutex> lock(withheld_mu_);
+  withheld_[name] = std::move(reason);
+}
+
+std::map<std::string, std::string> Store::withheld_datasets() const {
+  std::lock_guard<std::mutex> lock(withheld_mu_);
+  return withheld_;
 }
 
 std::string Store::EncodeDataset(const DatasetRecord& d) {
@@ -715,6 +729,8 @@ std::string Store::EncodeDataset(const DatasetRecord& d) {
             {"index_xxh3", absl::StrFormat("%016x", d.index_xxh3)},
             {"parts", parts}};
   if (!d.token_dtype.empty()) j["token_dtype"] = d.token_dtype;
+  if (d.content_xxh3)
+    j["content_xxh3"] = absl::StrFormat("%016x", *d.content_xxh3);
   return j.dump();
 }
 

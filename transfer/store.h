@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -138,6 +139,10 @@ struct DatasetRecord {
   std::string index;
   int64_t index_size = 0;
   uint64_t index_xxh3 = 0;
+  // XXH3 of the source files' bytes as registered (each file's size, then
+  // its bytes, in order): what the hosts of a cluster compare. Unset for
+  // records written before it was kept.
+  std::optional<uint64_t> content_xxh3;
 };
 
 class Store {
@@ -216,6 +221,11 @@ class Store {
   static std::string EncodePending(const PendingStep& pending);
   // Every registered dataset, by name.
   absl::StatusOr<std::map<std::string, DatasetRecord>> Datasets() const;
+  // A dataset this host must not serve, with why (a cluster found that its
+  // copy differs from the one the cluster registered): the mount's views
+  // leave it out. Held in memory only, so it is checked at every mount.
+  void WithholdDataset(const std::string& name, std::string reason);
+  std::map<std::string, std::string> withheld_datasets() const;
   // Makes `config` the store's current one once it is known to serve the
   // model (a placement exists) and every dataset (each global batch has a
   // sample for every data-parallel rank). The one place the current config
@@ -254,6 +264,8 @@ class Store {
   std::shared_ptr<const Model> model_;
   std::optional<ParallelConfig> config_;
   int orphans_removed_ = 0;
+  mutable std::mutex withheld_mu_;
+  std::map<std::string, std::string> withheld_;  // guarded by withheld_mu_
   int blobs_upgraded_ = 0;
   int blobs_not_upgraded_ = 0;
 };

@@ -256,6 +256,7 @@ def main():
             config = host_leaves(r, mnts, mount, mounts, full, config)
             new_host(mnts, mount, mounts, full, config, tmp)
             config = saved_across_hosts(seed, net, mnts, mount, mounts, tmp)
+            datasets_compared(mnts, mount, mounts, tmp)
 
             for h in HOSTS:
                 run("umount", mnts[h])
@@ -866,6 +867,33 @@ def saved_across_hosts(seed, net, mnts, mount, mounts, tmp):
         check_extras(m, 30)
     print("step 30 saved while h1 was cut off: committed everywhere once it was back")
     return config
+
+
+def datasets_compared(mnts, mount, mounts, tmp):
+    """A dataset registered on every host: three copies agree and are
+    served; h3's copy, one sample changed (same lines, same sizes), is
+    refused there, and its status says why."""
+    lines = [json.dumps({"id": i, "text": "sample %d" % i}) for i in range(64)]
+    copies = {"same": lines, "changed": lines[:10] + [lines[10].replace("sample", "SAMPLE")] + lines[11:]}
+    for name, text in copies.items():
+        with open(f"{tmp}/{name}.jsonl", "w") as f:
+            f.write("\n".join(text) + "\n")
+    for h in HOSTS:
+        run("umount", mnts[h])
+        mounts.discard(mnts[h])
+        copy = "changed" if h == "h3" else "same"
+        run("dataset", "add", f"{tmp}/{h}/store", "tokens", "--format", "jsonl",
+            "--global-batch", "8", "--epochs", "8", f"{tmp}/{copy}.jsonl")
+        mount(h)
+    wait_all(mnts, SAVE_CONFIG)
+    for h in ["h0", "h1", "h2"]:
+        assert "tokens" in os.listdir(f"{mnts[h]}/data"), h
+        assert cluster_status(mnts[h])["datasets_refused"] == {}, h
+    assert "tokens" not in os.listdir(f"{mnts['h3']}/data")
+    refused = cluster_status(mnts["h3"])["datasets_refused"]
+    assert list(refused) == ["tokens"] and "content" in refused["tokens"], refused
+    assert "dataset tokens differs from the cluster's" in status(mnts["h3"])["error"], status(mnts["h3"])
+    print(f"a differing dataset copy refused on h3: {refused['tokens']}")
 
 
 if __name__ == "__main__":
