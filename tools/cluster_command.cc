@@ -85,6 +85,26 @@ absl::Status RunClusterStatus(const std::string& mountpoint, bool json) {
   std::printf("calls from peers refused (no token): %s, failed: %s\n",
               Text(c, "peer_calls_refused").c_str(),
               Text(c, "peer_calls_failed").c_str());
+  // Steps saved on some hosts, waiting for the others' votes.
+  if (c.contains("saves") && c["saves"].is_array()) {
+    for (const nlohmann::json& save : c["saves"]) {
+      std::string voted;
+      if (save.contains("voted") && save["voted"].is_array()) {
+        for (const nlohmann::json& h : save["voted"]) {
+          absl::StrAppend(&voted, voted.empty() ? "" : " ",
+                          h.is_string() ? h.get<std::string>() : h.dump());
+        }
+      }
+      std::printf("step %s saved on %s, waiting for the other hosts\n",
+                  Text(save, "step").c_str(), voted.c_str());
+    }
+  }
+  if (c.contains("datasets_refused") && c["datasets_refused"].is_object()) {
+    for (const auto& [name, why] : c["datasets_refused"].items()) {
+      std::printf("%s\n", why.is_string() ? why.get<std::string>().c_str()
+                                          : why.dump().c_str());
+    }
+  }
   return absl::OkStatus();
 }
 

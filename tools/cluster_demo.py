@@ -4,7 +4,8 @@ each host in its own network namespace with its own store, a three-member
 etcd cluster in namespaces of its own; then a config that gives each host
 its own ranks, a host lost with the only copy of some (a config without it
 refused), replicas made, the host lost again and its ranks rebuilt from
-them. Needs root
+them; then a step saved through the mounts of the hosts, committing on
+all of them once the last saved its ranks. Needs root
 (namespaces, FUSE). Everything it makes is removed at the end.
 
     sudo /usr/bin/python3 tools/cluster_demo.py build/tools/scalai"""
@@ -73,6 +74,40 @@ def released(tmp, config, live):
     raise SystemExit("the hosts kept what they held before")
 
 
+def saved(tmp, step, hosts):
+    return all(os.readlink(f"{tmp}/mnt-{h}/ckpt/latest") == f"step-{step:08d}" for h in hosts)
+
+
+def save_step(net, tmp, config):
+    """Step 200 saved through the mounts, each host's workers writing their
+    own dp_rank 0 ranks: nothing commits until the last host saved its own."""
+    subprocess.run([BIN, "synth", f"{tmp}/ckpt-200", "--layout", "megatron-core-gpt",
+                    "--config", config.split(",hosts=")[0], "--model", MODEL, "--seed", "200"],
+                   check=True, capture_output=True)
+    print("# workers save step 200 (cut by scalai synth into ckpt-200/) through their own mounts")
+    step = "mnt-{h}/ckpt/step-00000200"
+    # Under tp=2,pp=2,dp=3 h0 runs ranks 0-3 and h1 ranks 4-7; their
+    # dp_rank 0 ranks are 0, 1 (h0) and 6, 7 (h1); h2 runs only replicas.
+    for h, ranks in (("h0", [0, 1]), ("h1", [6, 7])):
+        line = "; ".join(
+            f"mkdir -p {step.format(h=h)}/rank-{r:05d} && "
+            f"cp ckpt-200/rank-{r:05d}/model.safetensors {step.format(h=h)}/rank-{r:05d}/"
+            for r in ranks)
+        show(line, net, h, cwd=tmp)
+        if h == "h0":
+            for _ in range(200):
+                with open(f"{tmp}/mnt-h2/status") as f:
+                    if json.load(f)["cluster"]["saves"]:
+                        break
+                time.sleep(0.05)
+            show("ls mnt-h2/ckpt; scalai cluster status mnt-h2 | tail -1", net, "h2", cwd=tmp)
+    for _ in range(200):
+        if saved(tmp, 200, HOSTS[:3]):
+            break
+        time.sleep(0.05)
+    show("ls mnt-h2/ckpt; ls -C mnt-h2/ckpt/latest", net, "h2", cwd=tmp)
+
+
 def main():
     os.environ["PATH"] = f"{os.path.dirname(BIN)}:{os.environ['PATH']}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,6 +159,7 @@ def main():
             settle(tmp, "tp=2,pp=2,dp=3,hosts=h0+h1+h2", HOSTS[:3])
             released(tmp, "tp=2,pp=2,dp=3,hosts=h0+h1+h2", HOSTS[:3])
             show("scalai cluster status mnt-h1", cwd=tmp)
+            save_step(net, tmp, "tp=2,pp=2,dp=3,hosts=h0+h1+h2")
             for h in HOSTS:
                 subprocess.run([BIN, "umount", f"{tmp}/mnt-{h}"], capture_output=True)
         finally:

@@ -193,13 +193,8 @@ def run(binary, work):
     result = {"model": MODEL, "batch": BATCH, "phases": [], "reconfigurations": []}
 
     # The uninterrupted job: every iteration under one config.
-    _, ref_mnt = make_job(binary, work, "uninterrupted", UNINTERRUPTED)
-    try:
-        secs = train(ref_mnt, UNINTERRUPTED, total, f"{work}/uninterrupted.log")
-        result["uninterrupted"] = {"config": UNINTERRUPTED, "iterations": total, "seconds": secs}
-        ref_final = final_params(ref_mnt, UNINTERRUPTED)
-    finally:
-        scalai(binary, "umount", ref_mnt)
+    secs, ref_final = uninterrupted(binary, work, total)
+    result["uninterrupted"] = {"config": UNINTERRUPTED, "iterations": total, "seconds": secs}
 
     # The job whose GPUs change.
     store, mnt = make_job(binary, work, "elastic", PHASES[0][0])
@@ -222,6 +217,25 @@ def run(binary, work):
 
     ref_log, log = read_log(f"{work}/uninterrupted.log"), read_log(f"{work}/elastic.log")
     result["uninterrupted_log"], result["elastic_log"] = ref_log, log
+    result.update(compare(ref_log, log, ref_final, final, total))
+    return result
+
+
+def uninterrupted(binary, work, total):
+    """The job that never changes: every iteration under UNINTERRUPTED, in
+    a store of its own. Returns its seconds and its final parameters."""
+    _, ref_mnt = make_job(binary, work, "uninterrupted", UNINTERRUPTED)
+    try:
+        secs = train(ref_mnt, UNINTERRUPTED, total, f"{work}/uninterrupted.log")
+        return secs, final_params(ref_mnt, UNINTERRUPTED)
+    finally:
+        scalai(binary, "umount", ref_mnt)
+
+
+def compare(ref_log, log, ref_final, final, total):
+    """How the changed job differs from the uninterrupted one: every
+    iteration logged once in order, the same sample ids per global batch,
+    losses and final parameters within TOLERANCE."""
     problems = []
     if [e["iteration"] for e in log] != list(range(1, total + 1)):
         problems.append(f"iterations logged: {[e['iteration'] for e in log]}")
@@ -245,9 +259,7 @@ def run(binary, work):
             worst_param = max(worst_param, rel)
             if rel > TOLERANCE:
                 problems.append(f"final {key[1]}: relative difference {rel:.2e}")
-    result["worst_loss_rel"], result["worst_param_rel"] = worst_loss, worst_param
-    result["problems"] = problems
-    return result
+    return {"worst_loss_rel": worst_loss, "worst_param_rel": worst_param, "problems": problems}
 
 
 def report(r):

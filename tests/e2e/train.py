@@ -20,6 +20,7 @@ import json
 import math
 import os
 import struct
+import time
 
 import numpy as np
 import torch
@@ -369,8 +370,12 @@ def main():
             write_safetensors(f"{out}/model.safetensors", stage.tensors(), meta)
         dist.barrier()
         if rank == 0:
-            assert os.readlink(f"{mnt}/ckpt/latest") == f"step-{done:08d}", \
-                open(f"{mnt}/status").read()
+            # On a host of a cluster the step commits once every host's
+            # part is saved, a beat or two after the last close.
+            deadline = time.time() + 60
+            while os.readlink(f"{mnt}/ckpt/latest") != f"step-{done:08d}":
+                assert time.time() < deadline, open(f"{mnt}/status").read()
+                time.sleep(0.02)
     dist.destroy_process_group()
 
 
