@@ -43,6 +43,7 @@ absl::Status ReadWhole(
 }
 
 absl::Status FillFrom(PeerClient& peer, const Layout& layout,
+                      const std::optional<std::string>& model,
                       const std::string& store_dir) {
   std::string job_text;
   RETURN_IF_ERROR(ReadWhole(peer, "job.json",
@@ -95,20 +96,31 @@ absl::Status FillFrom(PeerClient& peer, const Layout& layout,
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Store> store,
                    Store::Create(store_dir, layout));
+  // Unless the import commits, an empty directory again, for the next try.
+  bool filled = false;
+  absl::Cleanup empty = [&] {
+    if (filled) return;
+    store.reset();
+    std::error_code ignored;
+    for (const auto& e :
+         std::filesystem::directory_iterator(store_dir, ignored))
+      std::filesystem::remove_all(e.path(), ignored);
+  };
+  if (model) {
+    // The cluster's model, in its order, before the import: the shards are
+    // checked against it rather than a model inferred from them.
+    Catalog::Batch batch;
+    batch.Put(Table::kMeta, "model", *model);
+    RETURN_IF_ERROR(store->catalog().Commit(batch));
+    store.reset();
+    ASSIGN_OR_RETURN(store, Store::Open(store_dir));
+  }
   ImportOptions options;
   options.src = staging;
   options.config = config;
   options.step = step;
-  absl::StatusOr<ImportResult> imported = ImportCheckpoint(*store, options);
-  if (!imported.ok()) {
-    // An empty directory again, for the next try.
-    store.reset();
-    std::error_code ignored;
-    for (const auto& e : std::filesystem::directory_iterator(store_dir)) {
-      std::filesystem::remove_all(e.path(), ignored);
-    }
-    return imported.status();
-  }
+  RETURN_IF_ERROR(ImportCheckpoint(*store, options).status());
+  filled = true;
   return absl::OkStatus();
 }
 
@@ -138,6 +150,10 @@ absl::Status FillStoreFromCluster(const ClusterFile& cluster,
   }
   ASSIGN_OR_RETURN(Layout layout,
                    Layout::FromJson(layout_kv->value, "the cluster's layout"));
+  ASSIGN_OR_RETURN(std::optional<EtcdClient::KeyValue> model_kv,
+                   etcd->Get(ClusterMember::Key(cluster.job, "model")));
+  std::optional<std::string> model;
+  if (model_kv) model = model_kv->value;
   ASSIGN_OR_RETURN(
       EtcdClient::Snapshot members,
       etcd->GetPrefix(ClusterMember::Key(cluster.job, "members/")));
@@ -156,7 +172,7 @@ absl::Status FillStoreFromCluster(const ClusterFile& cluster,
     }
     if (h.name == host || !live) continue;
     PeerClient peer(h, calls);
-    absl::Status filled = FillFrom(peer, layout, store_dir);
+    absl::Status filled = FillFrom(peer, layout, model, store_dir);
     if (filled.ok()) return filled;
     absl::StrAppend(&errors, errors.empty() ? "" : "; ", filled.message());
   }

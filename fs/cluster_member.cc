@@ -73,6 +73,15 @@ absl::Status ClusterMember::Start() {
   // What a host with an empty store needs before any peer can help it.
   create.puts.push_back({Key("layout"), job_.store().layout().ToJson().dump()});
   RETURN_IF_ERROR(etcd_->Commit(create).status());
+  // The model, tensors in the store's order: the peers name a tensor by its
+  // index in it, so a host that joins with an empty store takes this order.
+  if (job_.store().model() != nullptr) {
+    EtcdClient::Txn model;
+    model.conditions.push_back({Key("model"), 0});
+    model.puts.push_back(
+        {Key("model"), Store::EncodeModel(*job_.store().model())});
+    RETURN_IF_ERROR(etcd_->Commit(model).status());
+  }
   ASSIGN_OR_RETURN(std::optional<EtcdClient::KeyValue> kv,
                    etcd_->Get(Key("config")));
   if (!kv) {
@@ -295,6 +304,19 @@ absl::Status ClusterMember::Propose(const ParallelConfig& config) {
       if (name == host_ || !h.value("live", false) || !h.contains("holds"))
         continue;
       for (HostHolding& held : HoldingsFromJson(name, h["holds"]))
+        holdings.push_back(std::move(held));
+    }
+    // A step committed since a live host last reported what it holds: what
+    // it held when it voted.
+    std::set<std::pair<std::string, int64_t>> reported;
+    for (const HostHolding& held : holdings)
+      reported.insert({held.host, held.step});
+    for (HostHolding& held : saves_->CommittedHoldings()) {
+      bool live = held.host == host_;
+      for (const nlohmann::json& h : hosts_) {
+        if (h.value("name", "") == held.host) live |= h.value("live", false);
+      }
+      if (live && !reported.contains({held.host, held.step}))
         holdings.push_back(std::move(held));
     }
   }

@@ -191,12 +191,14 @@ absl::Status ClusterSaves::Vote(const PendingStep& pending, StepKeys& keys) {
 absl::StatusOr<bool> ClusterSaves::TryCommit(int64_t step, StepKeys& keys) {
   std::optional<StepRecord> agreed;
   nlohmann::json extra = nlohmann::json::object();
+  nlohmann::json holds = nlohmann::json::object();
   for (const auto& [host, kv] : keys.votes) {
     ASSIGN_OR_RETURN(StepRecord vote, StepFromJson(step, kv.value, kv.key));
     const nlohmann::json j = nlohmann::json::parse(kv.value, nullptr, false);
     if (j.contains("extra") && j["extra"].is_object()) {
       for (const auto& [rank, files] : j["extra"].items()) extra[rank] = files;
     }
+    if (j.contains("held")) holds[host] = j["held"];
     if (!agreed) {
       agreed = vote;
       agreed->bytes = 0;
@@ -222,6 +224,7 @@ absl::StatusOr<bool> ClusterSaves::TryCommit(int64_t step, StepKeys& keys) {
     txn.conditions.push_back({kv.key, kv.mod_revision});
   nlohmann::json value = StepJson(*agreed);
   value["extra"] = std::move(extra);
+  value["holds"] = std::move(holds);
   txn.puts.push_back({committed, value.dump()});
   txn.delete_prefixes.push_back(StepPrefix(step) + "vote/");
   ASSIGN_OR_RETURN(EtcdClient::Committed done, etcd_.Commit(txn));
@@ -263,7 +266,24 @@ absl::Status ClusterSaves::Advance() {
   ASSIGN_OR_RETURN(std::vector<StepRecord> recorded, job_.store().Steps());
   const int64_t newest = recorded.empty() ? -1 : recorded.back().step;
   nlohmann::json status = nlohmann::json::array();
+  std::vector<HostHolding> holdings;
   for (const auto& [step, keys] : steps) {
+    if (keys.committed) {
+      const nlohmann::json j =
+          nlohmann::json::parse(keys.committed->value, nullptr, false);
+      if (j.is_object() && j.contains("holds") && j["holds"].is_object() &&
+          j.contains("config") && j["config"].is_string()) {
+        for (const auto& [host, groups] : j["holds"].items()) {
+          if (!groups.is_array()) continue;
+          HostHolding h{host, step, j["config"].get<std::string>(),
+                        std::vector<int>()};
+          for (const nlohmann::json& g : groups) {
+            if (g.is_number_integer()) h.groups->push_back(g.get<int>());
+          }
+          holdings.push_back(std::move(h));
+        }
+      }
+    }
     if (keys.committed && (mine.contains(step) || step > newest)) {
       RETURN_IF_ERROR(Record(step, *keys.committed));
       voted_.erase(step);
@@ -276,7 +296,13 @@ absl::Status ClusterSaves::Advance() {
   }
   std::lock_guard<std::mutex> lock(mu_);
   status_ = std::move(status);
+  committed_holdings_ = std::move(holdings);
   return absl::OkStatus();
+}
+
+std::vector<HostHolding> ClusterSaves::CommittedHoldings() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return committed_holdings_;
 }
 
 absl::Status ClusterSaves::Record(int64_t step,

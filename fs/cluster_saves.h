@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "fs/cluster_coverage.h"
 #include "fs/job.h"
 #include "nlohmann/json.hpp"
 #include "ptc/parallel_config.h"
@@ -69,6 +70,10 @@ class ClusterSaves {
 
   // The steps being saved as the last round saw them, for `status`.
   nlohmann::json Status() const;
+  // What each host held of each committed step when it voted, as the last
+  // round saw them: a host reports its holdings a beat later, and a config
+  // written at once must not be refused for want of them.
+  std::vector<HostHolding> CommittedHoldings() const;
 
  private:
   // What etcd holds of one step's save.
@@ -97,6 +102,7 @@ class ClusterSaves {
   std::set<int64_t> voted_;
   mutable std::mutex mu_;
   nlohmann::json status_ = nlohmann::json::array();  // guarded by mu_
+  std::vector<HostHolding> committed_holdings_;      // guarded by mu_
 };
 
 }  // namespace scalai

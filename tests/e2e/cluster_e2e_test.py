@@ -105,6 +105,8 @@ class Cluster:
         fd = os.open(f"{self.mnt[via]}/config", os.O_WRONLY | os.O_TRUNC)
         try:
             os.write(fd, (config + "\n").encode())
+        except OSError as e:
+            raise AssertionError(f"{config} refused: {self.status(via)['error']}") from e
         finally:
             os.close(fd)
         self.settle(config)
