@@ -89,10 +89,9 @@ def save_step(net, tmp, config):
     # Under tp=2,pp=2,dp=3 h0 runs ranks 0-3 and h1 ranks 4-7; their
     # dp_rank 0 ranks are 0, 1 (h0) and 6, 7 (h1); h2 runs only replicas.
     for h, ranks in (("h0", [0, 1]), ("h1", [6, 7])):
-        line = "; ".join(
-            f"mkdir -p {step.format(h=h)}/rank-{r:05d} && "
-            f"cp ckpt-200/rank-{r:05d}/model.safetensors {step.format(h=h)}/rank-{r:05d}/"
-            for r in ranks)
+        line = (f"for r in {' '.join(f'{r:05d}' for r in ranks)}; do "
+                f"mkdir -p {step.format(h=h)}/rank-$r && "
+                f"cp ckpt-200/rank-$r/model.safetensors {step.format(h=h)}/rank-$r/; done")
         show(line, net, h, cwd=tmp)
         if h == "h0":
             for _ in range(200):
@@ -100,12 +99,14 @@ def save_step(net, tmp, config):
                     if json.load(f)["cluster"]["saves"]:
                         break
                 time.sleep(0.05)
-            show("ls mnt-h2/ckpt; scalai cluster status mnt-h2 | tail -1", net, "h2", cwd=tmp)
+            show("ls -C mnt-h2/ckpt; scalai cluster status mnt-h2 | tail -1", net, "h2",
+                 cwd=tmp)
     for _ in range(200):
         if saved(tmp, 200, HOSTS[:3]):
             break
         time.sleep(0.05)
-    show("ls mnt-h2/ckpt; ls -C mnt-h2/ckpt/latest", net, "h2", cwd=tmp)
+    show("ls -C mnt-h2/ckpt; readlink mnt-h2/ckpt/latest; ls -C mnt-h2/ckpt/latest", net, "h2",
+         cwd=tmp)
 
 
 def main():
