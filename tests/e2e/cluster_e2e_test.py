@@ -33,7 +33,9 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
+sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 import scenario  # noqa
+from harness import server_pid  # noqa
 from netns import Etcd, Network, require_netns, write_cluster_file  # noqa
 
 HOSTS = ["h0", "h1", "h2", "h3"]
@@ -70,15 +72,7 @@ class Cluster:
 
     def kill(self, h):
         """SIGKILL of `h`'s mount, as when its machine dies."""
-        store = self.store(h).encode()
-        for pid in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    args = f.read().split(b"\0")
-            except OSError:
-                continue
-            if b"mount" in args and store in args:
-                os.kill(int(pid), signal.SIGKILL)
+        os.kill(server_pid(self.store(h)), signal.SIGKILL)
         subprocess.run(["umount", "-l", self.mnt[h]], check=True)
         self.mounted.discard(h)
 

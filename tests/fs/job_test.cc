@@ -26,23 +26,30 @@ class JobTest : public StoreFixture {
     return std::make_unique<Job>(*store_, std::move(*tree), options);
   }
 
+  // Rank `rank`'s model file of `step` in `tree` holds the tensor bytes
+  // of the shard cut directly under `config` (the headers' metadata differ).
+  void ExpectShardEqualsDirectCut(const Tree& tree, const char* step,
+                                  const ParallelConfig& config, int rank) {
+    const std::string rank_name = absl::StrFormat("rank-%05d", rank);
+    const Node* file =
+        Walk(tree, {"ckpt", step, rank_name.c_str(), "model.safetensors"});
+    ASSERT_NE(file, nullptr) << step << " " << rank_name;
+    std::string got = ReadNode(tree, *file, 1 << 20);
+    std::string want = DirectShardFile(config, rank);
+    auto got_header =
+        SafetensorsHeader::Parse(got, static_cast<int64_t>(got.size()));
+    auto want_header =
+        SafetensorsHeader::Parse(want, static_cast<int64_t>(want.size()));
+    ASSERT_TRUE(got_header.ok()) << got_header.status();
+    EXPECT_EQ(got.substr(got_header->data_start()),
+              want.substr(want_header->data_start()))
+        << step << " " << rank_name;
+  }
+
   // Every rank's model file in `tree` equals the shard cut directly.
   void ExpectViewsEqualDirectCuts(const Tree& tree) {
     for (int rank = 0; rank < tree.config().world_size(); ++rank) {
-      const std::string rank_name = absl::StrFormat("rank-%05d", rank);
-      const Node* file = Walk(tree, {"ckpt", "step-00000042", rank_name.c_str(),
-                                     "model.safetensors"});
-      ASSERT_NE(file, nullptr) << rank_name;
-      std::string got = ReadNode(tree, *file, 1 << 20);
-      std::string want = DirectShardFile(tree.config(), rank);
-      auto got_header =
-          SafetensorsHeader::Parse(got, static_cast<int64_t>(got.size()));
-      auto want_header =
-          SafetensorsHeader::Parse(want, static_cast<int64_t>(want.size()));
-      ASSERT_TRUE(got_header.ok()) << got_header.status();
-      EXPECT_EQ(got.substr(got_header->data_start()),
-                want.substr(want_header->data_start()))
-          << rank_name;
+      ExpectShardEqualsDirectCut(tree, "step-00000042", tree.config(), rank);
     }
   }
 
@@ -200,18 +207,7 @@ TEST_F(JobTest, AHostsPartOfAStepWaitsForTheCluster) {
   EXPECT_EQ(committed.held, std::vector<int>{0});
   EXPECT_EQ(committed.bytes, 1234);
   ASSERT_TRUE(shows(50));
-  const Node* file = Walk(*job->current(), {"ckpt", "step-00000050",
-                                            "rank-00000", "model.safetensors"});
-  ASSERT_NE(file, nullptr);
-  const std::string got = ReadNode(*job->current(), *file, 1 << 20);
-  const std::string want = DirectShardFile(hosted, 0);
-  auto got_header =
-      SafetensorsHeader::Parse(got, static_cast<int64_t>(got.size()));
-  auto want_header =
-      SafetensorsHeader::Parse(want, static_cast<int64_t>(want.size()));
-  ASSERT_TRUE(got_header.ok()) << got_header.status();
-  EXPECT_EQ(got.substr(got_header->data_start()),
-            want.substr(want_header->data_start()));
+  ExpectShardEqualsDirectCut(*job->current(), "step-00000050", hosted, 0);
   EXPECT_TRUE(CheckStore(*store_, {})->empty());
 
   // A step the cluster drops leaves nothing behind.

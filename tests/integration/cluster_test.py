@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse, test_seed  # noqa
+from harness import Mounts, require_fuse, server_pid, test_seed  # noqa
 from netns import Etcd, Network, require_netns  # noqa
 from reference import parse_config, rank_shards, random_gpt, scalai, write_safetensors  # noqa
 from views import check_bytes, status  # noqa
@@ -420,19 +420,6 @@ def leader_killed(r, net, etcd, mnts, full, config):
     check_bytes(mnts["h3"], full, new, LAYERS, DIVISOR)
     print(f"etcd leader {leader} killed: {new} still reached every host")
     return new
-
-
-def server_pid(store):
-    """The pid of the mount process serving `store`."""
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"mount" in args and store.encode() in args:
-            return int(pid)
-    raise AssertionError(f"no server of {store}")
 
 
 def host_killed(r, net, mnts, mount, mounts, full, config, tmp):

@@ -55,6 +55,34 @@ class PeerTest : public StoreFixture {
     return PeerClient({"h0", absl::StrCat("127.0.0.1:", server.port())}, o);
   }
 
+  // A second host "b": a copy of the fixture's store (host "a", h0's
+  // server), served on its own port.
+  std::unique_ptr<Store> CopyStore() {
+    store_.reset();
+    fs::copy(dir_ / "store", dir_ / "store-b", fs::copy_options::recursive);
+    store_ = *Store::Open((dir_ / "store").string());
+    return *Store::Open((dir_ / "store-b").string());
+  }
+  std::unique_ptr<PeerServer> StartServerB(const Store& store_b) {
+    PeerServer::Options o;
+    o.job = "gpt";
+    o.host = "b";
+    o.address = "127.0.0.1:0";
+    o.token = kToken;
+    auto server = PeerServer::Start(store_b, o);
+    EXPECT_TRUE(server.ok()) << server.status();
+    return server.ok() ? std::move(*server) : nullptr;
+  }
+  // A client of `server` (named `to`) calling as host `from`.
+  static PeerClient Between(const std::string& from, const std::string& to,
+                            const PeerServer& server) {
+    PeerClient::Options o;
+    o.token = kToken;
+    o.deadline = absl::Seconds(10);
+    o.host = from;
+    return PeerClient({to, absl::StrCat("127.0.0.1:", server.port())}, o);
+  }
+
   // The bytes of shard `shard` of `rank` under `config`, cut directly.
   std::string DirectCut(const ParallelConfig& config, int rank, int shard) {
     Placement direct = *Placement::Create(layout_, model_, config);
@@ -394,10 +422,7 @@ int64_t BytesLacking(const Placement& from, const std::vector<int>& held,
 // holds, and materializing its ranks of a new config fetches exactly the
 // bytes it lacks; what it replaced stays served until released.
 TEST_F(PeerTest, HostsHoldingHalvesReadAndMaterializeThroughEachOther) {
-  store_.reset();
-  fs::copy(dir_ / "store", dir_ / "store-b", fs::copy_options::recursive);
-  store_ = *Store::Open((dir_ / "store").string());
-  std::unique_ptr<Store> store_b = *Store::Open((dir_ / "store-b").string());
+  std::unique_ptr<Store> store_b = CopyStore();
   const ParallelConfig halves =
       *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=a+b");
   for (auto [store, group] : {std::pair{store_.get(), 0}, {store_b.get(), 1}}) {
@@ -409,19 +434,11 @@ TEST_F(PeerTest, HostsHoldingHalvesReadAndMaterializeThroughEachOther) {
     ASSERT_TRUE(m->Commit(*store).ok());
   }
   auto server_a = StartServer();
-  PeerServer::Options ob;
-  ob.job = "gpt";
-  ob.host = "b";
-  ob.address = "127.0.0.1:0";
-  ob.token = kToken;
-  auto server_b = *PeerServer::Start(*store_b, ob);
-  PeerClient::Options oc;
-  oc.token = kToken;
-  oc.deadline = absl::Seconds(10);
-  oc.host = "a";
-  PeerClient a_to_b({"b", absl::StrCat("127.0.0.1:", server_b->port())}, oc);
-  oc.host = "b";
-  PeerClient b_to_a({"a", absl::StrCat("127.0.0.1:", server_a->port())}, oc);
+  auto server_b = StartServerB(*store_b);
+  ASSERT_NE(server_a, nullptr);
+  ASSERT_NE(server_b, nullptr);
+  PeerClient a_to_b = Between("a", "b", *server_b);
+  PeerClient b_to_a = Between("b", "a", *server_a);
   PeerBytes from_b([&] { return std::vector<PeerClient*>{&a_to_b}; });
   PeerBytes from_a([&] { return std::vector<PeerClient*>{&b_to_a}; });
 
@@ -525,23 +542,12 @@ TEST_F(PeerTest, HostsHoldingHalvesReadAndMaterializeThroughEachOther) {
 // the server's reading of the step record and of the shard records. Every
 // read still gets every byte, as the host holds them all the while.
 TEST_F(PeerTest, ReadsWhileTheServingHostCommitsGetEveryByte) {
-  store_.reset();
-  fs::copy(dir_ / "store", dir_ / "store-b", fs::copy_options::recursive);
-  store_ = *Store::Open((dir_ / "store").string());
-  std::unique_ptr<Store> store_b = *Store::Open((dir_ / "store-b").string());
+  std::unique_ptr<Store> store_b = CopyStore();
   auto server_a = StartServer();
+  auto server_b = StartServerB(*store_b);
   ASSERT_NE(server_a, nullptr);
-  PeerServer::Options ob;
-  ob.job = "gpt";
-  ob.host = "b";
-  ob.address = "127.0.0.1:0";
-  ob.token = kToken;
-  auto server_b = *PeerServer::Start(*store_b, ob);
-  PeerClient::Options oc;
-  oc.token = kToken;
-  oc.deadline = absl::Seconds(10);
-  oc.host = "a";
-  PeerClient a_to_b({"b", absl::StrCat("127.0.0.1:", server_b->port())}, oc);
+  ASSERT_NE(server_b, nullptr);
+  PeerClient a_to_b = Between("a", "b", *server_b);
   PeerClient reader = Client(*server_a);
 
   const ParallelConfig saved = saved_config();
