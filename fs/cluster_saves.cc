@@ -179,11 +179,9 @@ absl::Status ClusterSaves::Vote(const PendingStep& pending, StepKeys& keys) {
   }
   vote["extra"] = extra;
   const std::string key = StepPrefix(pending.record.step) + "vote/" + host_;
-  ASSIGN_OR_RETURN(int64_t revision, etcd_.PutValue(key, vote.dump()));
-  EtcdClient::KeyValue& kv = keys.votes[host_];
-  kv.key = key;
-  kv.value = vote.dump();
-  kv.mod_revision = revision;
+  const std::string value = vote.dump();
+  ASSIGN_OR_RETURN(int64_t revision, etcd_.PutValue(key, value));
+  keys.votes[host_] = EtcdClient::KeyValue{key, value, revision, revision, 0};
   voted_.insert(pending.record.step);
   return absl::OkStatus();
 }

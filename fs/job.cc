@@ -256,11 +256,7 @@ absl::Status Job::Refresh() {
   OnSwitch on_switch;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    RETURN_IF_ERROR(CheckGenerationLocked());
-    ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
-                     Tree::Build(store_, current_->config(),
-                                 current_->generation() + 1, holding_.remote));
-    retired = SwitchLocked(std::shared_ptr<const Tree>(std::move(next)));
+    RETURN_IF_ERROR(SwitchToRebuiltLocked(retired));
     names = RootNamesLocked();
     on_switch = on_switch_;
   }
@@ -274,17 +270,23 @@ absl::Status Job::DiscardSave(int64_t step) {
   return store_.DiscardPending(step);
 }
 
+absl::Status Job::SwitchToRebuiltLocked(
+    std::vector<std::shared_ptr<const Tree>>& retired) {
+  RETURN_IF_ERROR(CheckGenerationLocked());
+  ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
+                   Tree::Build(store_, current_->config(),
+                               current_->generation() + 1, holding_.remote));
+  retired = SwitchLocked(std::shared_ptr<const Tree>(std::move(next)));
+  return absl::OkStatus();
+}
+
 absl::Status Job::ShowCommittedLocked(
     int64_t step, std::vector<std::shared_ptr<const Tree>>& retired) {
   // A step number used before (the old step deleted) must not be read
   // from what peers sent of the old one.
   if (holding_.remote != nullptr) holding_.remote->Forget(step);
   ApplyRetentionLocked();
-  RETURN_IF_ERROR(CheckGenerationLocked());
-  ASSIGN_OR_RETURN(std::unique_ptr<Tree> next,
-                   Tree::Build(store_, current_->config(),
-                               current_->generation() + 1, holding_.remote));
-  retired = SwitchLocked(std::shared_ptr<const Tree>(std::move(next)));
+  RETURN_IF_ERROR(SwitchToRebuiltLocked(retired));
   // A step saved under an earlier config is materialized like the rest.
   absl::StatusOr<std::optional<StepRecord>> record = store_.FindStep(step);
   if (record.ok() && *record &&

@@ -175,6 +175,10 @@ class Job {
       std::shared_ptr<const Tree> tree);  // requires mu_
   void RetireIfUnusedLocked(const std::shared_ptr<const Tree>& tree);
   void ApplyRetentionLocked();
+  // A tree of the next generation built from the records as they are now,
+  // made current.
+  absl::Status SwitchToRebuiltLocked(
+      std::vector<std::shared_ptr<const Tree>>& retired);
   // After `step` was recorded: retention, a tree that shows it, and its
   // materialization if saved under another config.
   absl::Status ShowCommittedLocked(

@@ -134,10 +134,9 @@ struct PeerServer::State {
     std::vector<StepRecord> records;
     ASSIGN_OR_RETURN(std::optional<StepRecord> record, store->FindStep(step));
     if (record) records.push_back(*std::move(record));
-    ASSIGN_OR_RETURN(std::vector<PendingStep> pending, store->PendingSteps());
-    for (PendingStep& p : pending) {
-      if (p.record.step == step) records.push_back(std::move(p.record));
-    }
+    ASSIGN_OR_RETURN(std::optional<PendingStep> pending,
+                     store->FindPending(step));
+    if (pending) records.push_back(std::move(pending->record));
     for (const StepRecord& r : records) {
       auto files = r.extra.find(rank);
       if (files == r.extra.end()) continue;

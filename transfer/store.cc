@@ -522,31 +522,50 @@ std::string Store::EncodePending(const PendingStep& pending) {
   return j.dump();
 }
 
+namespace {
+
+// A pending step as the catalog keeps it under `key` (PendingKey).
+absl::StatusOr<PendingStep> DecodePending(absl::string_view key,
+                                          const std::string& value) {
+  const std::string step_key(key.substr(kPendingPrefix.size()));
+  PendingStep p;
+  ASSIGN_OR_RETURN(p.record, DecodeStep(step_key, value));
+  const std::string what = absl::StrCat("pending step ", p.record.step);
+  ASSIGN_OR_RETURN(json j, ParseRecord(value, what));
+  if (!j.contains("pending_shards") || !j["pending_shards"].is_object() ||
+      !p.record.held) {
+    return Corrupt(what);
+  }
+  for (const auto& [group, shard] : j["pending_shards"].items()) {
+    int g = -1;
+    if (!absl::SimpleAtoi(group, &g) || !p.record.holds(g)) {
+      return Corrupt(what);
+    }
+    ASSIGN_OR_RETURN(p.shards[g], DecodeShard(shard, what));
+  }
+  if (p.shards.size() != p.record.held->size()) return Corrupt(what);
+  return p;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<PendingStep>> Store::PendingSteps() const {
   ASSIGN_OR_RETURN(auto records, catalog_->Scan(Table::kMeta, kPendingPrefix));
   std::vector<PendingStep> out;
   for (const auto& [key, value] : records) {
-    const std::string step_key = key.substr(kPendingPrefix.size());
-    PendingStep p;
-    ASSIGN_OR_RETURN(p.record, DecodeStep(step_key, value));
-    const std::string what =
-        absl::StrCat("pending step ", StepFromKey(step_key));
-    ASSIGN_OR_RETURN(json j, ParseRecord(value, what));
-    if (!j.contains("pending_shards") || !j["pending_shards"].is_object() ||
-        !p.record.held) {
-      return Corrupt(what);
-    }
-    for (const auto& [group, shard] : j["pending_shards"].items()) {
-      int g = -1;
-      if (!absl::SimpleAtoi(group, &g) || !p.record.holds(g)) {
-        return Corrupt(what);
-      }
-      ASSIGN_OR_RETURN(p.shards[g], DecodeShard(shard, what));
-    }
-    if (p.shards.size() != p.record.held->size()) return Corrupt(what);
+    ASSIGN_OR_RETURN(PendingStep p, DecodePending(key, value));
     out.push_back(std::move(p));
   }
   return out;
+}
+
+absl::StatusOr<std::optional<PendingStep>> Store::FindPending(
+    int64_t step) const {
+  const std::string key = PendingKey(step);
+  ASSIGN_OR_RETURN(std::optional<std::string> value,
+                   catalog_->Get(Table::kMeta, key));
+  if (!value) return std::nullopt;
+  return DecodePending(key, *value);
 }
 
 absl::Status Store::CommitAgreedStep(
@@ -558,15 +577,16 @@ absl::Status Store::CommitAgreedStep(
         absl::StrCat("step ", agreed.step, " is already recorded under ",
                      existing->config, ", not ", agreed.config));
   }
-  ASSIGN_OR_RETURN(std::vector<PendingStep> pending, PendingSteps());
+  ASSIGN_OR_RETURN(std::optional<PendingStep> pending,
+                   FindPending(agreed.step));
   StepRecord record = agreed;
   record.held = std::vector<int>();
   record.retained.clear();
   Catalog::Batch batch;
   for (const auto& [name, blob] : copied)
     batch.Put(Table::kBlobs, name, EncodeBlob(blob));
-  for (const PendingStep& p : pending) {
-    if (p.record.step != agreed.step) continue;
+  if (pending) {
+    const PendingStep& p = *pending;
     if (p.record.config != agreed.config || p.record.groups != agreed.groups) {
       return absl::FailedPreconditionError(absl::StrCat(
           "step ", agreed.step, " was saved here under ", p.record.config,
@@ -584,21 +604,13 @@ absl::Status Store::CommitAgreedStep(
 }
 
 absl::Status Store::DiscardPending(int64_t step) {
-  ASSIGN_OR_RETURN(std::vector<PendingStep> pending, PendingSteps());
-  for (const PendingStep& p : pending) {
-    if (p.record.step != step) continue;
-    Catalog::Batch batch;
-    batch.Delete(Table::kMeta, PendingKey(step));
-    const std::vector<std::string> blobs = p.Blobs();
-    std::set<std::string> dropped(blobs.begin(), blobs.end());
-    // Blobs are never shared between steps, but a check costs little.
-    std::set<std::string> kept;
-    ASSIGN_OR_RETURN(std::vector<StepRecord> steps, Steps());
-    for (const StepRecord& s : steps)
-      RETURN_IF_ERROR(AddBlobsOf(*this, s, kept));
-    return CommitFreeing(batch, dropped, kept).status();
-  }
-  return absl::OkStatus();
+  ASSIGN_OR_RETURN(std::optional<PendingStep> pending, FindPending(step));
+  if (!pending) return absl::OkStatus();
+  Catalog::Batch batch;
+  batch.Delete(Table::kMeta, PendingKey(step));
+  const std::vector<std::string> blobs = pending->Blobs();
+  // A pending step's blobs are its own: nothing else names them.
+  return CommitFreeing(batch, {blobs.begin(), blobs.end()}, {}).status();
 }
 
 absl::StatusOr<int> Store::CommitFreeing(Catalog::Batch& batch,

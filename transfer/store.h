@@ -205,6 +205,8 @@ class Store {
 
   // Steps saved here and waiting for the cluster (PendingStep), by step.
   absl::StatusOr<std::vector<PendingStep>> PendingSteps() const;
+  // The pending step `step`, if this host has one.
+  absl::StatusOr<std::optional<PendingStep>> FindPending(int64_t step) const;
   // Records the step the cluster committed, as `agreed` describes all of it
   // (config, groups, bytes, consumed samples, and the extra files other
   // hosts saved, copied here into the blobs `copied` records): with the
