@@ -49,13 +49,19 @@ std::string ClusterMember::Key(const std::string& job,
   return absl::StrCat("/scalai/", job, "/", what);
 }
 
-ClusterMember::ClusterMember(Job& job, ClusterFile cluster, std::string host)
-    : job_(job), cluster_(std::move(cluster)), host_(std::move(host)) {}
+ClusterMember::ClusterMember(Job& job, ClusterFile cluster, std::string host,
+                             Options options)
+    : job_(job),
+      cluster_(std::move(cluster)),
+      host_(std::move(host)),
+      options_(options) {}
 
 absl::StatusOr<std::unique_ptr<ClusterMember>> ClusterMember::Join(
-    Job& job, const ClusterFile& cluster, const std::string& host) {
+    Job& job, const ClusterFile& cluster, const std::string& host,
+    Options options) {
   ASSIGN_OR_RETURN(const ClusterHost* me, cluster.FindHost(host));
-  std::unique_ptr<ClusterMember> member(new ClusterMember(job, cluster, host));
+  std::unique_ptr<ClusterMember> member(
+      new ClusterMember(job, cluster, host, options));
   member->address_ = me->address;
   RETURN_IF_ERROR(member->Start());
   return member;
@@ -146,7 +152,8 @@ absl::Status ClusterMember::Start() {
       [this](const std::string& name) -> PeerClient* {
         auto it = peers_by_name_.find(name);
         return it == peers_by_name_.end() ? nullptr : it->second.data.get();
-      });
+      },
+      ClusterSaves::Options{.replicas = options_.replicas});
   RETURN_IF_ERROR(saves_->Reconcile());
   job_.SetSaveAgreement({[this](const ParallelConfig& config) {
                            return ClusterSaves::RanksOfHost(config, host_);
@@ -404,7 +411,11 @@ std::optional<std::vector<int>> ClusterMember::HeldGroups(
   if (config.hosts().empty()) return std::nullopt;
   std::set<int> groups;
   for (size_t i = 0; i < config.hosts().size(); ++i) {
-    if (config.hosts()[i] != host_) continue;
+    const std::string& host = config.hosts()[i];
+    if (host != host_ && (options_.replicas < 2 ||
+                          ClusterSaves::NextHost(config, host) != host_)) {
+      continue;
+    }
     const auto [first, last] = config.RanksOfHost(static_cast<int>(i));
     for (int rank = first; rank <= last; ++rank) {
       groups.insert(config.ShardGroup(rank));

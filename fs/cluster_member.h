@@ -53,8 +53,19 @@ class ClusterMember {
   // Joins the job as host `host`: the cluster's config, when there is one,
   // becomes this host's (refused, naming why, if its store cannot serve
   // it); otherwise this host's config becomes the cluster's.
+  struct Options {
+    // How many hosts keep each shard (`mount --replicas`): 2 has the next
+    // host in a config's list keep this host's shards too, as each step is
+    // saved (ClusterSaves) and as each config is materialized.
+    int replicas = 1;
+  };
   static absl::StatusOr<std::unique_ptr<ClusterMember>> Join(
-      Job& job, const ClusterFile& cluster, const std::string& host);
+      Job& job, const ClusterFile& cluster, const std::string& host,
+      Options options);
+  static absl::StatusOr<std::unique_ptr<ClusterMember>> Join(
+      Job& job, const ClusterFile& cluster, const std::string& host) {
+    return Join(job, cluster, host, Options());
+  }
   // Leaves: the job no longer asks etcd, the lease is revoked (the host is
   // no longer live at once), the peer service stops.
   ~ClusterMember();
@@ -65,7 +76,8 @@ class ClusterMember {
   static std::string Key(const std::string& job, const std::string& what);
 
  private:
-  ClusterMember(Job& job, ClusterFile cluster, std::string host);
+  ClusterMember(Job& job, ClusterFile cluster, std::string host,
+                Options options);
   absl::Status Start();
   // The job's agreement: one etcd transaction, conditional on the config
   // this host last saw, makes `config` the cluster's.
@@ -89,8 +101,9 @@ class ClusterMember {
   // A failed materialization is started again when a peer that did not
   // answer does again.
   void RetryWhenPeerBack();
-  // The groups of `config` this host holds: those of its ranks, or all
-  // when the config names no hosts.
+  // The groups of `config` this host holds: those of its ranks (and with
+  // replicas, those of the hosts it is the next host of), or all when the
+  // config names no hosts.
   std::optional<std::vector<int>> HeldGroups(
       const ParallelConfig& config) const;
   // The peers to read bytes from: those that answered the last check
@@ -107,6 +120,7 @@ class ClusterMember {
   Job& job_;
   const ClusterFile cluster_;
   const std::string host_;
+  const Options options_;
   std::string address_;
   std::unique_ptr<EtcdClient> etcd_;
   std::unique_ptr<PeerServer> peers_;

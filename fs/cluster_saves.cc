@@ -11,7 +11,8 @@
 #include "absl/strings/str_format.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
-#include "transfer/extra_copy.h"
+#include "transfer/blob_copy.h"
+#include "transfer/blob_reader.h"
 #include "transfer/files.h"
 
 namespace scalai {
@@ -48,15 +49,88 @@ absl::StatusOr<StepRecord> StepFromJson(int64_t step, const std::string& value,
   return record;
 }
 
+// The rank with dp_rank 0 of shard group `group`, and the host that runs it.
+int SaverRank(const ParallelConfig& config, int group) {
+  return config.Rank({.tp_rank = group % config.tp(),
+                      .dp_rank = 0,
+                      .pp_rank = group / config.tp()});
+}
+std::string SaverHost(const ParallelConfig& config, int group) {
+  return config.hosts()[config.HostOfRank(SaverRank(config, group))];
+}
+
+// The checksum of a shard's tensor bytes: of each blob from its first
+// tensor to its end (a saved shard is one model.safetensors, whose data
+// runs from its first tensor to its end), read back and verified. Replicas'
+// headers differ (scalai.rank), their tensor bytes do not.
+absl::StatusOr<uint64_t> TensorBytesSum(const Store& store,
+                                        const ShardRecord& shard) {
+  std::vector<int64_t> first(shard.blobs.size(), -1);
+  for (const ShardRecord::Location& t : shard.tensors) {
+    int64_t& at = first[static_cast<size_t>(t.blob)];
+    if (at < 0 || t.offset < at) at = t.offset;
+  }
+  ChunkHasher hasher;
+  std::string buffer(static_cast<size_t>(8 * kBlobChunkBytes), '\0');
+  for (size_t b = 0; b < shard.blobs.size(); ++b) {
+    if (first[b] < 0) continue;
+    std::shared_ptr<const BlobReader> reader =
+        BlobReader::Open(store, shard.blobs[b]);
+    for (int64_t at = first[b]; at < reader->size();) {
+      const int64_t n =
+          std::min(static_cast<int64_t>(buffer.size()), reader->size() - at);
+      RETURN_IF_ERROR(reader->Read(buffer.data(), n, at));
+      hasher.Update(buffer.data(), n);
+      at += n;
+    }
+  }
+  const std::vector<uint64_t> sums = hasher.Finish();
+  return HashChunk(sums.data(),
+                   static_cast<int64_t>(sums.size() * sizeof(uint64_t)));
+}
+
+// A shard as a vote describes it, for a host that copies it.
+nlohmann::json ShardJson(const Store& store, const ShardRecord& shard,
+                         absl::StatusOr<std::string> data) {
+  nlohmann::json blobs = nlohmann::json::array();
+  for (const std::string& name : shard.blobs) {
+    absl::StatusOr<BlobRecord> blob = store.Blob(name);
+    if (!blob.ok()) return nullptr;
+    blobs.push_back(
+        {{"size", blob->size}, {"sums", EncodeChunkSums(blob->chunks)}});
+  }
+  nlohmann::json tensors = nlohmann::json::array();
+  for (const ShardRecord::Location& t : shard.tensors)
+    tensors.push_back({t.blob, t.offset});
+  return {
+      {"blobs", blobs}, {"tensors", tensors}, {"data", data.ok() ? *data : ""}};
+}
+
 }  // namespace
 
 ClusterSaves::ClusterSaves(Job& job, EtcdClient& etcd, std::string host,
-                           KeyOf key, PeerOf peer_of)
+                           KeyOf key, PeerOf peer_of, Options options)
     : job_(job),
       etcd_(etcd),
       host_(std::move(host)),
       key_(std::move(key)),
-      peer_of_(std::move(peer_of)) {}
+      peer_of_(std::move(peer_of)),
+      options_(options) {}
+
+std::string ClusterSaves::NextHost(const ParallelConfig& config,
+                                   const std::string& host) {
+  const std::vector<std::string>& hosts = config.hosts();
+  size_t last = hosts.size();
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    if (hosts[i] == host) last = i;
+  }
+  if (last == hosts.size()) return "";
+  for (size_t k = 1; k < hosts.size(); ++k) {
+    const std::string& next = hosts[(last + k) % hosts.size()];
+    if (next != host) return next;
+  }
+  return "";
+}
 
 absl::StatusOr<std::vector<int>> ClusterSaves::RanksOfHost(
     const ParallelConfig& config, const std::string& host) {
@@ -125,21 +199,20 @@ absl::Status ClusterSaves::Reconcile() {
   ASSIGN_OR_RETURN(std::vector<PendingStep> pending,
                    job_.store().PendingSteps());
   ASSIGN_OR_RETURN(auto steps, ReadSaves());
-  std::set<int64_t> mine;
+  std::set<int64_t> saved;  // steps whose part this host's workers saved
   for (const PendingStep& p : pending) {
-    mine.insert(p.record.step);
+    if (p.saved) saved.insert(p.record.step);
     StepKeys& keys = steps[p.record.step];
     if (keys.committed) {
       RETURN_IF_ERROR(Record(p.record.step, *keys.committed));
-    } else if (keys.votes.contains(host_)) {
-      voted_.insert(p.record.step);  // still waiting for the others
+    } else if (auto vote = keys.votes.find(host_); vote != keys.votes.end()) {
+      voted_[p.record.step] = vote->second.value;  // waiting for the others
     }
     // Otherwise this host saved its part and stopped before it voted:
     // the next round votes.
   }
   for (const auto& [step, keys] : steps) {
-    if (keys.committed || keys.votes.empty() || mine.contains(step) ||
-        keys.votes.contains(host_)) {
+    if (keys.committed || keys.votes.empty() || saved.contains(step)) {
       continue;
     }
     absl::StatusOr<StepRecord> voted = StepFromJson(
@@ -162,12 +235,40 @@ absl::Status ClusterSaves::Withdraw(int64_t step) {
   return etcd_.Commit(txn).status();
 }
 
-absl::Status ClusterSaves::Vote(const PendingStep& pending, StepKeys& keys) {
-  nlohmann::json vote = StepJson(pending.record);
-  vote["held"] = pending.record.held.value_or(std::vector<int>());
+absl::StatusOr<std::string> ClusterSaves::DataSum(int64_t step, int group,
+                                                  const ShardRecord& shard) {
+  std::map<int, std::string>& sums = data_sums_[step];
+  if (auto it = sums.find(group); it != sums.end()) return it->second;
+  ASSIGN_OR_RETURN(uint64_t sum, TensorBytesSum(job_.store(), shard));
+  return sums[group] = EncodeChunkSums({sum});
+}
+
+absl::StatusOr<std::string> ClusterSaves::VoteFor(const PendingStep& pending) {
+  const StepRecord& record = pending.record;
+  ASSIGN_OR_RETURN(ParallelConfig config, ParallelConfig::Parse(record.config));
+  nlohmann::json vote = StepJson(record);
+  vote["held"] = record.held.value_or(std::vector<int>());
+  vote["saved"] = pending.saved;
+  vote["replicas"] = options_.replicas;
+  // Each shard held, with the checksum of its tensor bytes; those saved
+  // here as the group's dp_rank 0 rank are "own", for the next host to copy.
+  nlohmann::json shards = nlohmann::json::object();
+  for (const auto& [g, shard] : pending.shards) {
+    ASSIGN_OR_RETURN(std::string data, DataSum(record.step, g, shard));
+    nlohmann::json j = ShardJson(job_.store(), shard, data);
+    if (j.is_null()) {
+      return absl::DataLossError(absl::StrCat("step ", record.step, " group ",
+                                              g, ": a blob has no record"));
+    }
+    const bool copied = std::find(pending.copied.begin(), pending.copied.end(),
+                                  g) != pending.copied.end();
+    j["own"] = !copied && SaverHost(config, g) == host_;
+    shards[std::to_string(g)] = std::move(j);
+  }
+  vote["shards"] = std::move(shards);
   // The extra files saved here, for the other hosts to copy and check.
   nlohmann::json extra = nlohmann::json::object();
-  for (const auto& [rank, files] : pending.record.extra) {
+  for (const auto& [rank, files] : record.extra) {
     nlohmann::json list = nlohmann::json::array();
     for (const ExtraFile& f : files) {
       ASSIGN_OR_RETURN(BlobRecord blob, job_.store().Blob(f.blob));
@@ -178,18 +279,131 @@ absl::Status ClusterSaves::Vote(const PendingStep& pending, StepKeys& keys) {
     extra[std::to_string(rank)] = {{"host", host_}, {"files", list}};
   }
   vote["extra"] = extra;
-  const std::string key = StepPrefix(pending.record.step) + "vote/" + host_;
-  const std::string value = vote.dump();
+  return vote.dump();
+}
+
+absl::Status ClusterSaves::Vote(const PendingStep& pending, StepKeys& keys) {
+  const int64_t step = pending.record.step;
+  ASSIGN_OR_RETURN(std::string value, VoteFor(pending));
+  auto voted = voted_.find(step);
+  if (voted != voted_.end() && voted->second == value) return absl::OkStatus();
+  const std::string key = StepPrefix(step) + "vote/" + host_;
   ASSIGN_OR_RETURN(int64_t revision, etcd_.PutValue(key, value));
   keys.votes[host_] = EtcdClient::KeyValue{key, value, revision, revision, 0};
-  voted_.insert(pending.record.step);
+  voted_[step] = std::move(value);
   return absl::OkStatus();
+}
+
+absl::Status ClusterSaves::CopyReplicas(int64_t step, const StepKeys& keys,
+                                        const PendingStep* mine) {
+  for (const auto& [from, kv] : keys.votes) {
+    if (from == host_) continue;
+    const nlohmann::json vote = nlohmann::json::parse(kv.value, nullptr, false);
+    if (!vote.is_object() || vote.value("replicas", 1) < 2 ||
+        !vote.value("saved", true) || !vote.contains("shards") ||
+        !vote["shards"].is_object() || !vote.contains("config") ||
+        !vote["config"].is_string()) {
+      continue;
+    }
+    ASSIGN_OR_RETURN(ParallelConfig config,
+                     ParallelConfig::Parse(vote["config"].get<std::string>()));
+    if (NextHost(config, from) != host_) continue;
+    PeerClient* peer = peer_of_(from);
+    if (peer == nullptr) continue;
+    std::map<int, ShardRecord> shards;
+    std::map<std::string, BlobRecord> blobs;
+    absl::Cleanup drop = [&] {
+      for (const auto& [name, record] : blobs)
+        unlink(job_.store().BlobPath(name).c_str());
+    };
+    for (const auto& [group_text, j] : vote["shards"].items()) {
+      int g = -1;
+      if (!absl::SimpleAtoi(group_text, &g) || !j.is_object() ||
+          !j.value("own", false) || (mine && mine->shards.contains(g))) {
+        continue;
+      }
+      ShardRecord shard;
+      try {
+        const nlohmann::json& list = j.at("blobs");
+        for (size_t b = 0; b < list.size(); ++b) {
+          RemoteBlob remote;
+          remote.size = list[b].at("size").get<int64_t>();
+          ASSIGN_OR_RETURN(
+              remote.sums,
+              DecodeChunkSums(list[b].at("sums").get<std::string>()));
+          remote.read = [&, b](int64_t offset, int64_t length, char* out) {
+            return peer->ReadPendingShard(step, g, static_cast<int>(b), offset,
+                                          length, out);
+          };
+          ASSIGN_OR_RETURN(auto copy,
+                           CopyRemoteBlob(job_.store(), step, remote,
+                                          absl::StrCat("blob ", b, " of group ",
+                                                       g, " of step ", step,
+                                                       " from host ", from)));
+          shard.blobs.push_back(copy.first);
+          blobs.insert(std::move(copy));
+        }
+        for (const nlohmann::json& t : j.at("tensors")) {
+          shard.tensors.push_back({t.at(0).get<int>(), t.at(1).get<int64_t>()});
+        }
+      } catch (const std::exception&) {
+        return absl::DataLossError(absl::StrCat(
+            "etcd key ", kv.key, " describes group ", g, " as it cannot be"));
+      }
+      shards[g] = std::move(shard);
+    }
+    if (shards.empty()) continue;
+    RETURN_IF_ERROR(SyncDir(job_.store().blob_dir()));
+    RETURN_IF_ERROR(job_.store().AddPendingCopies(
+        step, config.ToString(), vote.value("groups", 0), shards, blobs));
+    blobs.clear();  // recorded: kept
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> ClusterSaves::DropDifferingReplicas(
+    const PendingStep& mine, const StepKeys& keys) {
+  const int64_t step = mine.record.step;
+  ASSIGN_OR_RETURN(ParallelConfig config,
+                   ParallelConfig::Parse(mine.record.config));
+  bool dropped = false;
+  for (const auto& [g, shard] : mine.shards) {
+    const std::string saver = SaverHost(config, g);
+    if (saver == host_) continue;
+    auto vote = keys.votes.find(saver);
+    if (vote == keys.votes.end()) continue;
+    const nlohmann::json j =
+        nlohmann::json::parse(vote->second.value, nullptr, false);
+    const std::string theirs =
+        j.is_object() && j.contains("shards") && j["shards"].is_object()
+            ? j["shards"]
+                  .value(std::to_string(g), nlohmann::json::object())
+                  .value("data", "")
+            : "";
+    ASSIGN_OR_RETURN(std::string ours, DataSum(step, g, shard));
+    if (theirs.empty() || theirs == ours) continue;
+    RETURN_IF_ERROR(job_.store().DropPendingGroup(step, g));
+    data_sums_[step].erase(g);
+    dropped = true;
+    job_.ReportError(absl::StrFormat(
+        "step %d: the replica of rank-%05d/model.safetensors saved on host %s "
+        "differs from the one host %s saved (a data-parallel copy must be "
+        "identical); host %s keeps none of it",
+        step, SaverRank(config, g), host_, saver, host_));
+  }
+  return dropped;
+}
+
+void ClusterSaves::Forget(int64_t step) {
+  voted_.erase(step);
+  data_sums_.erase(step);
 }
 
 absl::StatusOr<bool> ClusterSaves::TryCommit(int64_t step, StepKeys& keys) {
   std::optional<StepRecord> agreed;
   nlohmann::json extra = nlohmann::json::object();
   nlohmann::json holds = nlohmann::json::object();
+  std::map<std::string, nlohmann::json> votes;  // parsed, by host
   for (const auto& [host, kv] : keys.votes) {
     ASSIGN_OR_RETURN(StepRecord vote, StepFromJson(step, kv.value, kv.key));
     const nlohmann::json j = nlohmann::json::parse(kv.value, nullptr, false);
@@ -209,11 +423,47 @@ absl::StatusOr<bool> ClusterSaves::TryCommit(int64_t step, StepKeys& keys) {
     }
     agreed->bytes += vote.bytes;
     if (vote.consumed_samples) agreed->consumed_samples = vote.consumed_samples;
+    votes[host] = j;
   }
   ASSIGN_OR_RETURN(ParallelConfig config,
                    ParallelConfig::Parse(agreed->config));
+  // A shard held on several hosts must have the same tensor bytes on each.
+  std::map<std::string, std::pair<std::string, std::string>> sums;  // group
+  for (const auto& [host, j] : votes) {
+    if (!j.contains("shards") || !j["shards"].is_object()) continue;
+    for (const auto& [group, shard] : j["shards"].items()) {
+      const std::string data = shard.is_object() ? shard.value("data", "") : "";
+      auto [seen, first] = sums.try_emplace(group, host, data);
+      if (!first && !data.empty() && !seen->second.second.empty() &&
+          data != seen->second.second) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "step ", step, ": group ", group, " saved on host ", host,
+            " differs from the one on host ", seen->second.first,
+            " (a data-parallel copy must be identical): it waits for the "
+            "replica's host to drop its copy"));
+      }
+    }
+  }
   for (const std::string& voter : Voters(config)) {
-    if (!keys.votes.contains(voter)) return false;  // not yet
+    auto vote = votes.find(voter);
+    if (vote == votes.end() || !vote->second.value("saved", true))
+      return false;  // not yet
+  }
+  // Each host's own shards held by the next host too, when it asked.
+  for (const auto& [host, j] : votes) {
+    const std::string next = NextHost(config, host);
+    if (j.value("replicas", 1) < 2 || next.empty() || !j.contains("shards") ||
+        !j["shards"].is_object()) {
+      continue;
+    }
+    for (const auto& [group, shard] : j["shards"].items()) {
+      if (!shard.is_object() || !shard.value("own", false)) continue;
+      auto kept = votes.find(next);
+      if (kept == votes.end() || !kept->second.contains("shards") ||
+          !kept->second["shards"].contains(group)) {
+        return false;  // the copy is not made yet
+      }
+    }
   }
   EtcdClient::Txn txn;
   const std::string committed = StepPrefix(step) + "committed";
@@ -237,19 +487,46 @@ absl::Status ClusterSaves::Advance() {
   ASSIGN_OR_RETURN(std::vector<PendingStep> pending,
                    job_.store().PendingSteps());
   ASSIGN_OR_RETURN(auto steps, ReadSaves());
+  // Extra replicas first, so that this round's vote says it holds them.
+  {
+    std::map<int64_t, const PendingStep*> held;
+    for (const PendingStep& p : pending) held[p.record.step] = &p;
+    bool asked = false;
+    for (const auto& [step, keys] : steps) {
+      if (keys.committed || keys.votes.empty()) continue;
+      asked = true;
+      auto mine = held.find(step);
+      absl::Status s =
+          CopyReplicas(step, keys, mine == held.end() ? nullptr : mine->second);
+      if (!s.ok()) {
+        job_.ReportError(absl::StrCat("the extra replica of step ", step,
+                                      " is not made yet: ", s.message()));
+      }
+    }
+    if (asked) {
+      ASSIGN_OR_RETURN(pending, job_.store().PendingSteps());
+    }
+  }
   std::set<int64_t> mine;
   for (const PendingStep& p : pending) {
     const int64_t step = p.record.step;
     mine.insert(step);
     StepKeys& keys = steps[step];
     if (keys.committed) continue;  // recorded below
-    if (!voted_.contains(step)) {
-      RETURN_IF_ERROR(Vote(p, keys));
-    } else if (!keys.votes.contains(host_)) {
+    if (voted_.contains(step) && !keys.votes.contains(host_)) {
       // Withdrawn: a host that had to save the step stopped before it did.
       RETURN_IF_ERROR(job_.DiscardSave(step));
-      voted_.erase(step);
+      Forget(step);
       mine.erase(step);
+      continue;
+    }
+    ASSIGN_OR_RETURN(bool dropped, DropDifferingReplicas(p, keys));
+    if (dropped) {
+      ASSIGN_OR_RETURN(std::optional<PendingStep> now,
+                       job_.store().FindPending(step));
+      if (now) RETURN_IF_ERROR(Vote(*now, keys));
+    } else {
+      RETURN_IF_ERROR(Vote(p, keys));
     }
   }
   for (auto& [step, keys] : steps) {
@@ -284,7 +561,7 @@ absl::Status ClusterSaves::Advance() {
     }
     if (keys.committed && (mine.contains(step) || step > newest)) {
       RETURN_IF_ERROR(Record(step, *keys.committed));
-      voted_.erase(step);
+      Forget(step);
     }
     if (!keys.committed && !keys.votes.empty()) {
       nlohmann::json voted = nlohmann::json::array();

@@ -5,8 +5,14 @@
 //     ranks with dp_rank 0 of a host are whole, the job records its part
 //     pending (PendingStep, durable) and the host votes for the step: the
 //     key saves/STEP/vote/HOST says what it holds.
+//     With `mount --replicas 2`, the next host in the config's list copies
+//     the host's shards as their extra replica (checked against the sums
+//     the vote gives) and votes that it holds them too.
 //  2. Once every host that runs a dp_rank 0 rank under the step's config
-//     has voted, any host commits the step with one etcd transaction
+//     has voted (and holds its shards' replicas, when asked for), and
+//     every copy of a shard has the same tensor bytes as the others (the
+//     votes carry a checksum of each: replicas are compared without being
+//     shipped), any host commits the step with one etcd transaction
 //     (saves/STEP/committed, on condition that the votes are as read and
 //     nothing committed it), and every host records it: with its part if
 //     it saved one, else holding no shard of it (its views read them from
@@ -49,8 +55,20 @@ class ClusterSaves {
   // The client that reads bytes from host `name`; null for no such peer.
   using PeerOf = std::function<PeerClient*(const std::string& name)>;
 
+  struct Options {
+    // How many hosts keep each saved shard: 2 has the next host in the
+    // config's list keep a copy of this host's (`mount --replicas`).
+    int replicas = 1;
+  };
+
   ClusterSaves(Job& job, EtcdClient& etcd, std::string host, KeyOf key,
-               PeerOf peer_of);
+               PeerOf peer_of, Options options);
+
+  // The host after `host` in `config`'s list of hosts (the first after
+  // the last), which keeps its shards' extra replica; "" for a config on
+  // one host.
+  static std::string NextHost(const ParallelConfig& config,
+                              const std::string& host);
 
   // The ranks of `config` saved on `host`; refused for a config that names
   // no hosts (every host would hold every rank) or leaves `host` out.
@@ -83,7 +101,22 @@ class ClusterSaves {
   };
   absl::StatusOr<std::map<int64_t, StepKeys>> ReadSaves();
   std::string StepPrefix(int64_t step) const;
+  // The vote for what this host holds of a pending step.
+  absl::StatusOr<std::string> VoteFor(const PendingStep& pending);
+  // Votes anew when what this host holds changed since its last vote.
   absl::Status Vote(const PendingStep& pending, StepKeys& keys);
+  // The checksum of a held shard's tensor bytes (cached by step).
+  absl::StatusOr<std::string> DataSum(int64_t step, int group,
+                                      const ShardRecord& shard);
+  // Copies the shards that other hosts' votes ask this host to keep as
+  // their extra replica; `mine` is what it holds of the step already.
+  absl::Status CopyReplicas(int64_t step, const StepKeys& keys,
+                            const PendingStep* mine);
+  // Drops the replicas saved here whose bytes differ from the shard the
+  // host of their dp_rank 0 rank saved; true if it dropped one.
+  absl::StatusOr<bool> DropDifferingReplicas(const PendingStep& mine,
+                                             const StepKeys& keys);
+  void Forget(int64_t step);
   // Commits `step` when every voter voted, under one config; true if it
   // now is committed.
   absl::StatusOr<bool> TryCommit(int64_t step, StepKeys& keys);
@@ -97,9 +130,12 @@ class ClusterSaves {
   const std::string host_;
   const KeyOf key_;
   const PeerOf peer_of_;
-  // Steps this host voted for and still holds pending. Only the caller of
-  // Reconcile and Advance (one thread) uses it.
-  std::set<int64_t> voted_;
+  const Options options_;
+  // Steps this host voted for and still holds pending, with the vote it
+  // gave, and the checksums of their shards' tensor bytes by group. Only
+  // the caller of Reconcile and Advance (one thread) uses them.
+  std::map<int64_t, std::string> voted_;
+  std::map<int64_t, std::map<int, std::string>> data_sums_;
   mutable std::mutex mu_;
   nlohmann::json status_ = nlohmann::json::array();  // guarded by mu_
   std::vector<HostHolding> committed_holdings_;      // guarded by mu_

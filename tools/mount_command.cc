@@ -39,6 +39,7 @@ struct MountCliOptions {
   bool foreground = false;
   bool allow_other = false;
   int keep_steps = 0;
+  int replicas = 1;  // hosts that keep each shard, in a cluster
 };
 
 absl::StatusOr<std::string> Absolute(const std::string& path) {
@@ -91,7 +92,8 @@ absl::Status Serve(const MountCliOptions& o,
   // the cluster's config from the first read.
   std::unique_ptr<ClusterMember> member;
   if (cluster) {
-    ASSIGN_OR_RETURN(member, ClusterMember::Join(job, *cluster, o.host));
+    ASSIGN_OR_RETURN(member, ClusterMember::Join(job, *cluster, o.host,
+                                                 {.replicas = o.replicas}));
   }
   MountOptions mount;
   mount.mountpoint = o.mountpoint;
@@ -144,6 +146,11 @@ absl::Status RunMount(MountCliOptions o) {
     return absl::InvalidArgumentError(
         "--cluster and --host go together: the cluster file, and which of "
         "its hosts this is");
+  }
+  if (o.replicas != 1 && o.cluster.empty()) {
+    return absl::InvalidArgumentError(
+        "--replicas keeps copies on other hosts of a cluster: it needs "
+        "--cluster and --host");
   }
   if (!o.cluster.empty()) {
     // Checked here, so that a mistake in it is reported before anything
@@ -346,6 +353,11 @@ Command AddMountCommand(CLI::App& root) {
                   "the cluster file: this mount is one host of a job that "
                   "spans hosts");
   app->add_option("--host", o->host, "which host of the cluster file this is");
+  app->add_option("--replicas", o->replicas,
+                  "in a cluster, how many hosts keep each shard: 2 has the "
+                  "next host in the config's list keep a copy of this host's "
+                  "(default 1)")
+      ->check(CLI::Range(1, 2));
   app->add_option("--keep-steps", o->keep_steps,
                   "after each step saved through the mount, keep the newest "
                   "K steps (default: all)")

@@ -108,12 +108,6 @@ absl::StatusOr<PeerClient::Hello> PeerClient::SayHello() {
 absl::StatusOr<int64_t> PeerClient::ReadTensor(const TensorRef& tensor,
                                                int64_t offset, int64_t length,
                                                char* out) {
-  const std::string where =
-      absl::StrCat("peer ", peer_.name, " (", peer_.address, "), step ",
-                   tensor.step, " under ", tensor.config, ", group ",
-                   tensor.group, " shard ", tensor.shard);
-  grpc::ClientContext ctx;
-  Prepare(ctx, options_.host, options_.token, options_.deadline);
   peer::ReadTensorRequest request;
   request.set_step(tensor.step);
   request.set_config(tensor.config);
@@ -121,52 +115,66 @@ absl::StatusOr<int64_t> PeerClient::ReadTensor(const TensorRef& tensor,
   request.set_shard(tensor.shard);
   request.set_offset(offset);
   request.set_length(length);
-  std::unique_ptr<grpc::ClientReader<peer::Chunk>> reader =
-      channel_->stub->ReadTensor(&ctx, request);
-  absl::StatusOr<int64_t> got =
-      Drain(ctx, *reader, length, out, bytes_fetched_, where);
-  if (!got.ok()) return Count(got.status());
-  Count(absl::OkStatus()).IgnoreError();  // it answered: reachable again
-  return got;
+  return Stream(absl::StrCat("step ", tensor.step, " under ", tensor.config,
+                             ", group ", tensor.group, " shard ", tensor.shard),
+                length, out, [&](grpc::ClientContext& ctx) {
+                  return channel_->stub->ReadTensor(&ctx, request);
+                });
 }
 
 absl::StatusOr<int64_t> PeerClient::ReadFile(const std::string& path,
                                              int64_t offset, int64_t length,
                                              char* out) {
-  const std::string where =
-      absl::StrCat("peer ", peer_.name, " (", peer_.address, "), ", path);
-  grpc::ClientContext ctx;
-  Prepare(ctx, options_.host, options_.token, options_.deadline);
   peer::ReadFileRequest request;
   request.set_path(path);
   request.set_offset(offset);
   request.set_length(length);
-  std::unique_ptr<grpc::ClientReader<peer::Chunk>> reader =
-      channel_->stub->ReadFile(&ctx, request);
-  absl::StatusOr<int64_t> got =
-      Drain(ctx, *reader, length, out, bytes_fetched_, where);
-  if (!got.ok()) return Count(got.status());
-  Count(absl::OkStatus()).IgnoreError();  // it answered: reachable again
-  return got;
+  return Stream(path, length, out, [&](grpc::ClientContext& ctx) {
+    return channel_->stub->ReadFile(&ctx, request);
+  });
 }
 
 absl::StatusOr<int64_t> PeerClient::ReadExtra(int64_t step, int rank,
                                               const std::string& path,
                                               int64_t offset, int64_t length,
                                               char* out) {
-  const std::string where =
-      absl::StrCat("peer ", peer_.name, " (", peer_.address, "), step ", step,
-                   " rank ", rank, " extra/", path);
-  grpc::ClientContext ctx;
-  Prepare(ctx, options_.host, options_.token, options_.deadline);
   peer::ReadExtraRequest request;
   request.set_step(step);
   request.set_rank(rank);
   request.set_path(path);
   request.set_offset(offset);
   request.set_length(length);
-  std::unique_ptr<grpc::ClientReader<peer::Chunk>> reader =
-      channel_->stub->ReadExtra(&ctx, request);
+  return Stream(absl::StrCat("step ", step, " rank ", rank, " extra/", path),
+                length, out, [&](grpc::ClientContext& ctx) {
+                  return channel_->stub->ReadExtra(&ctx, request);
+                });
+}
+
+absl::StatusOr<int64_t> PeerClient::ReadPendingShard(int64_t step, int group,
+                                                     int blob, int64_t offset,
+                                                     int64_t length,
+                                                     char* out) {
+  peer::ReadPendingShardRequest request;
+  request.set_step(step);
+  request.set_group(group);
+  request.set_blob(blob);
+  request.set_offset(offset);
+  request.set_length(length);
+  return Stream(absl::StrCat("step ", step, " group ", group, " blob ", blob),
+                length, out, [&](grpc::ClientContext& ctx) {
+                  return channel_->stub->ReadPendingShard(&ctx, request);
+                });
+}
+
+template <typename Start>
+absl::StatusOr<int64_t> PeerClient::Stream(const std::string& what,
+                                           int64_t length, char* out,
+                                           Start start) {
+  const std::string where =
+      absl::StrCat("peer ", peer_.name, " (", peer_.address, "), ", what);
+  grpc::ClientContext ctx;
+  Prepare(ctx, options_.host, options_.token, options_.deadline);
+  std::unique_ptr<grpc::ClientReader<peer::Chunk>> reader = start(ctx);
   absl::StatusOr<int64_t> got =
       Drain(ctx, *reader, length, out, bytes_fetched_, where);
   if (!got.ok()) return Count(got.status());

@@ -65,6 +65,12 @@ class PeerClient {
                                     const std::string& path, int64_t offset,
                                     int64_t length, char* out);
 
+  // Bytes [offset, offset + length) of blob `blob` of group `group`'s
+  // shard of a step the peer holds pending (peer.proto, ReadPendingShard).
+  absl::StatusOr<int64_t> ReadPendingShard(int64_t step, int group, int blob,
+                                           int64_t offset, int64_t length,
+                                           char* out);
+
   int64_t bytes_fetched() const { return bytes_fetched_.load(); }
   int64_t errors() const { return errors_.load(); }
   // False after a call that found the peer down or silent, until one
@@ -74,6 +80,11 @@ class PeerClient {
  private:
   struct Channel;
   absl::Status Count(absl::Status s);
+  // One streamed call, begun by `start(context)`, into `out`; errors name
+  // the peer and `what`.
+  template <typename Start>
+  absl::StatusOr<int64_t> Stream(const std::string& what, int64_t length,
+                                 char* out, Start start);
 
   const ClusterHost peer_;
   const Options options_;

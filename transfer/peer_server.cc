@@ -149,6 +149,22 @@ struct PeerServer::State {
                      " of rank ", rank, " of step ", step));
   }
 
+  absl::StatusOr<std::string> PendingShardBlob(int64_t step, int group,
+                                               int blob) const {
+    ASSIGN_OR_RETURN(std::optional<PendingStep> pending,
+                     store->FindPending(step));
+    if (pending) {
+      auto shard = pending->shards.find(group);
+      if (shard != pending->shards.end() && blob >= 0 &&
+          blob < static_cast<int>(shard->second.blobs.size())) {
+        return shard->second.blobs[blob];
+      }
+    }
+    return absl::NotFoundError(absl::StrCat(
+        "host ", options.host, " holds no blob ", blob, " of group ", group,
+        " of step ", step, " waiting for the cluster"));
+  }
+
   // The caller's name if it presented the job's token; else the refusal,
   // counted.
   grpc::Status Admit(const grpc::ServerContext& ctx, std::string* caller) {
@@ -258,16 +274,38 @@ class PeerServer::Service final : public peer::Peer::Service {
     absl::StatusOr<std::string> blob =
         s_.ExtraBlob(request->step(), request->rank(), request->path());
     if (!blob.ok()) return s_.Fail(blob.status());
-    std::shared_ptr<const BlobReader> reader =
-        BlobReader::Open(*s_.store, *blob);
-    const int64_t size = reader->size();
-    const int64_t offset = request->offset();
-    if (offset < 0 || request->length() < 0 || offset > size) {
-      return s_.Fail(absl::OutOfRangeError(
-          absl::StrCat("bytes [", offset, ", +", request->length(), ") of a ",
-                       size, "-byte file")));
+    return StreamBlob(ctx, caller, *blob, request->offset(), request->length(),
+                      writer);
+  }
+
+  grpc::Status ReadPendingShard(
+      grpc::ServerContext* ctx, const peer::ReadPendingShardRequest* request,
+      grpc::ServerWriter<peer::Chunk>* writer) override {
+    std::string caller;
+    if (grpc::Status admitted = s_.Admit(*ctx, &caller); !admitted.ok()) {
+      return admitted;
     }
-    const int64_t length = std::min(request->length(), size - offset);
+    absl::StatusOr<std::string> blob =
+        s_.PendingShardBlob(request->step(), request->group(), request->blob());
+    if (!blob.ok()) return s_.Fail(blob.status());
+    return StreamBlob(ctx, caller, *blob, request->offset(), request->length(),
+                      writer);
+  }
+
+  // Bytes [offset, offset + length) of a stored blob, verified, or fewer
+  // at its end.
+  grpc::Status StreamBlob(grpc::ServerContext* ctx, const std::string& caller,
+                          const std::string& blob, int64_t offset,
+                          int64_t asked,
+                          grpc::ServerWriter<peer::Chunk>* writer) {
+    std::shared_ptr<const BlobReader> reader =
+        BlobReader::Open(*s_.store, blob);
+    const int64_t size = reader->size();
+    if (offset < 0 || asked < 0 || offset > size) {
+      return s_.Fail(absl::OutOfRangeError(absl::StrCat(
+          "bytes [", offset, ", +", asked, ") of a ", size, "-byte blob")));
+    }
+    const int64_t length = std::min(asked, size - offset);
     peer::Chunk chunk;
     std::string& buffer = *chunk.mutable_data();
     for (int64_t at = 0; at < length; at += kChunkBytes) {

@@ -477,10 +477,21 @@ absl::Status StepWriter::Commit() {
   absl::Cleanup unseal = [&sealed] {
     for (ShardFile* f : sealed) f->Unseal();
   };
+  // The file that stands for each group saved here: its dp_rank 0 rank's,
+  // or on a cluster's host that does not run that rank, the first replica
+  // saved here (the cluster compares it with the one saved elsewhere).
+  std::map<int, int> saver;  // rank, by group
   for (int r = 0; r < cfg.world_size(); ++r) {
-    if (cfg.Coords(r).dp_rank == 0 && valid_[r] != nullptr) {
-      sealed.push_back(valid_[r].get());
+    if (cfg.Coords(r).dp_rank == 0 && (!ranks_ || ranks_->contains(r)))
+      saver[cfg.ShardGroup(r)] = r;
+  }
+  if (ranks_) {
+    for (int r : *ranks_) {
+      if (valid_[r] != nullptr) saver.emplace(cfg.ShardGroup(r), r);
     }
+  }
+  for (const auto& [group, r] : saver) {
+    if (valid_[r] != nullptr) sealed.push_back(valid_[r].get());
   }
   for (const auto& [key, file] : extra_) sealed.push_back(file.get());
   for (ShardFile* f : sealed) f->Seal();
@@ -492,16 +503,13 @@ absl::Status StepWriter::Commit() {
   Catalog::Batch batch;
   std::set<std::string> used;
   std::map<int, ShardRecord> shards;  // by group
-  for (int r = 0; r < cfg.world_size(); ++r) {
-    if (cfg.Coords(r).dp_rank != 0) continue;
-    if (ranks_ && !ranks_->contains(r)) continue;  // saved on its own host
+  for (const auto& [group, r] : saver) {
     if (valid_[r] == nullptr) {
       return absl::FailedPreconditionError(
           absl::StrCat("step ", step_, ": ", Label(r), " is not saved yet"));
     }
     ShardFile& file = *valid_[r];
     RETURN_IF_ERROR(file.Sync());
-    const int group = cfg.ShardGroup(r);
     ShardRecord shard;
     shard.blobs = {file.blob()};
     for (int64_t at : file.checked_.offsets) shard.tensors.push_back({0, at});
@@ -509,7 +517,8 @@ absl::Status StepWriter::Commit() {
     ASSIGN_OR_RETURN(std::vector<uint64_t> sums, file.ChunkSums());
     batch.Put(Table::kBlobs, file.blob(),
               Store::EncodeBlob({file.size(), std::move(sums), step_}));
-    record.bytes += file.checked_.data_bytes;
+    // Bytes the step counts once, where its dp_rank 0 rank saved them.
+    if (cfg.Coords(r).dp_rank == 0) record.bytes += file.checked_.data_bytes;
     used.insert(file.blob());
     if (r == 0) record.consumed_samples = file.checked_.consumed_samples;
   }

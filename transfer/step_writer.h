@@ -128,7 +128,10 @@ class StepWriter {
     // On a host of a cluster: the ranks saved here (the others are saved
     // on their own hosts). Only they may be written, the step is complete
     // here once those with dp_rank 0 closed valid shards, and Commit
-    // records it pending (PendingStep) until the cluster commits it.
+    // records it pending (PendingStep) until the cluster commits it. A
+    // group whose dp_rank 0 rank runs on another host is kept here too
+    // when a replica of it was saved here, for the cluster to compare with
+    // the other host's (by checksum) and to hold a second copy.
     std::optional<std::vector<int>> ranks;
   };
   // Refuses a step that is already committed, and a store that does not

@@ -506,11 +506,18 @@ std::vector<std::string> PendingStep::Blobs() const {
 }
 
 namespace {
+// The part of a pending step that this host's workers saved, and the copies
+// of other hosts' shards it keeps with it.
 constexpr absl::string_view kPendingPrefix = "pending/";
+constexpr absl::string_view kCopiesPrefix = "pending-copies/";
 }  // namespace
 
 std::string Store::PendingKey(int64_t step) {
   return absl::StrCat(kPendingPrefix, StepKey(step));
+}
+
+std::string Store::PendingCopiesKey(int64_t step) {
+  return absl::StrCat(kCopiesPrefix, StepKey(step));
 }
 
 std::string Store::EncodePending(const PendingStep& pending) {
@@ -524,10 +531,12 @@ std::string Store::EncodePending(const PendingStep& pending) {
 
 namespace {
 
-// A pending step as the catalog keeps it under `key` (PendingKey).
-absl::StatusOr<PendingStep> DecodePending(absl::string_view key,
+// One part of a pending step as the catalog keeps it under `key`, whose
+// prefix is `prefix`.
+absl::StatusOr<PendingStep> DecodePending(absl::string_view prefix,
+                                          absl::string_view key,
                                           const std::string& value) {
-  const std::string step_key(key.substr(kPendingPrefix.size()));
+  const std::string step_key(key.substr(prefix.size()));
   PendingStep p;
   ASSIGN_OR_RETURN(p.record, DecodeStep(step_key, value));
   const std::string what = absl::StrCat("pending step ", p.record.step);
@@ -547,25 +556,67 @@ absl::StatusOr<PendingStep> DecodePending(absl::string_view key,
   return p;
 }
 
+// The two parts of a pending step as one (either may be missing).
+absl::StatusOr<std::optional<PendingStep>> MergePending(
+    std::optional<PendingStep> saved, std::optional<PendingStep> copies) {
+  if (!copies) return saved;
+  copies->saved = false;
+  copies->copied = copies->record.held.value_or(std::vector<int>());
+  if (!saved) return copies;
+  if (saved->record.config != copies->record.config) {
+    return absl::DataLossError(absl::StrCat(
+        "pending step ", saved->record.step, " was saved under ",
+        saved->record.config, " and copied under ", copies->record.config));
+  }
+  saved->copied = copies->copied;
+  for (auto& [g, shard] : copies->shards) {
+    if (saved->shards.emplace(g, std::move(shard)).second)
+      saved->record.held->push_back(g);
+  }
+  std::sort(saved->record.held->begin(), saved->record.held->end());
+  return saved;
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<PendingStep>> Store::PendingSteps() const {
-  ASSIGN_OR_RETURN(auto records, catalog_->Scan(Table::kMeta, kPendingPrefix));
+  std::map<int64_t, std::optional<PendingStep>> saved, copies;
+  for (auto [prefix, parts] :
+       {std::pair{kPendingPrefix, &saved}, std::pair{kCopiesPrefix, &copies}}) {
+    ASSIGN_OR_RETURN(auto records, catalog_->Scan(Table::kMeta, prefix));
+    for (const auto& [key, value] : records) {
+      ASSIGN_OR_RETURN(PendingStep p, DecodePending(prefix, key, value));
+      const int64_t step = p.record.step;
+      (*parts)[step] = std::move(p);
+    }
+  }
+  std::set<int64_t> steps;
+  for (const auto& [step, part] : saved) steps.insert(step);
+  for (const auto& [step, part] : copies) steps.insert(step);
   std::vector<PendingStep> out;
-  for (const auto& [key, value] : records) {
-    ASSIGN_OR_RETURN(PendingStep p, DecodePending(key, value));
-    out.push_back(std::move(p));
+  for (int64_t step : steps) {
+    ASSIGN_OR_RETURN(
+        std::optional<PendingStep> p,
+        MergePending(std::move(saved[step]), std::move(copies[step])));
+    if (p) out.push_back(*std::move(p));
   }
   return out;
 }
 
 absl::StatusOr<std::optional<PendingStep>> Store::FindPending(
     int64_t step) const {
-  const std::string key = PendingKey(step);
-  ASSIGN_OR_RETURN(std::optional<std::string> value,
-                   catalog_->Get(Table::kMeta, key));
-  if (!value) return std::nullopt;
-  return DecodePending(key, *value);
+  std::optional<PendingStep> parts[2];
+  const std::pair<absl::string_view, std::string> keys[2] = {
+      {kPendingPrefix, PendingKey(step)},
+      {kCopiesPrefix, PendingCopiesKey(step)}};
+  for (int i = 0; i < 2; ++i) {
+    ASSIGN_OR_RETURN(std::optional<std::string> value,
+                     catalog_->Get(Table::kMeta, keys[i].second));
+    if (!value) continue;
+    ASSIGN_OR_RETURN(parts[i],
+                     DecodePending(keys[i].first, keys[i].second, *value));
+  }
+  return MergePending(std::move(parts[0]), std::move(parts[1]));
 }
 
 absl::Status Store::CommitAgreedStep(
@@ -597,6 +648,7 @@ absl::Status Store::CommitAgreedStep(
     for (const auto& [g, shard] : p.shards)
       batch.Put(Table::kShards, ShardKey(agreed.step, g), EncodeShard(shard));
     batch.Delete(Table::kMeta, PendingKey(agreed.step));
+    batch.Delete(Table::kMeta, PendingCopiesKey(agreed.step));
   }
   record.extra_config = record.extra.empty() ? "" : agreed.config;
   batch.Put(Table::kSteps, StepKey(agreed.step), EncodeStep(record));
@@ -608,9 +660,67 @@ absl::Status Store::DiscardPending(int64_t step) {
   if (!pending) return absl::OkStatus();
   Catalog::Batch batch;
   batch.Delete(Table::kMeta, PendingKey(step));
+  batch.Delete(Table::kMeta, PendingCopiesKey(step));
   const std::vector<std::string> blobs = pending->Blobs();
   // A pending step's blobs are its own: nothing else names them.
   return CommitFreeing(batch, {blobs.begin(), blobs.end()}, {}).status();
+}
+
+absl::Status Store::AddPendingCopies(
+    int64_t step, const std::string& config, int groups,
+    const std::map<int, ShardRecord>& shards,
+    const std::map<std::string, BlobRecord>& blobs) {
+  const std::string key = PendingCopiesKey(step);
+  ASSIGN_OR_RETURN(std::optional<std::string> value,
+                   catalog_->Get(Table::kMeta, key));
+  PendingStep copies;
+  if (value) {
+    ASSIGN_OR_RETURN(copies, DecodePending(kCopiesPrefix, key, *value));
+  } else {
+    copies.record.step = step;
+    copies.record.config = config;
+    copies.record.groups = groups;
+    copies.record.held.emplace();
+  }
+  for (const auto& [g, shard] : shards) {
+    if (copies.shards.emplace(g, shard).second)
+      copies.record.held->push_back(g);
+  }
+  std::sort(copies.record.held->begin(), copies.record.held->end());
+  Catalog::Batch batch;
+  for (const auto& [name, blob] : blobs)
+    batch.Put(Table::kBlobs, name, EncodeBlob(blob));
+  batch.Put(Table::kMeta, key, EncodePending(copies));
+  return catalog_->Commit(batch);
+}
+
+absl::Status Store::DropPendingGroup(int64_t step, int group) {
+  Catalog::Batch batch;
+  std::set<std::string> dropped;
+  for (auto [prefix, key] :
+       {std::pair{kPendingPrefix, PendingKey(step)},
+        std::pair{kCopiesPrefix, PendingCopiesKey(step)}}) {
+    ASSIGN_OR_RETURN(std::optional<std::string> value,
+                     catalog_->Get(Table::kMeta, key));
+    if (!value) continue;
+    ASSIGN_OR_RETURN(PendingStep part, DecodePending(prefix, key, *value));
+    auto shard = part.shards.find(group);
+    if (shard == part.shards.end()) continue;
+    dropped.insert(shard->second.blobs.begin(), shard->second.blobs.end());
+    part.shards.erase(shard);
+    std::erase(*part.record.held, group);
+    batch.Put(Table::kMeta, key, EncodePending(part));
+  }
+  // The blobs of the other groups and of the extra files stay.
+  ASSIGN_OR_RETURN(std::optional<PendingStep> now, FindPending(step));
+  std::set<std::string> kept;
+  if (now) {
+    for (const auto& [g, shard] : now->shards) {
+      if (g != group) kept.insert(shard.blobs.begin(), shard.blobs.end());
+    }
+    for (const std::string& blob : now->record.ExtraBlobs()) kept.insert(blob);
+  }
+  return CommitFreeing(batch, dropped, kept).status();
 }
 
 absl::StatusOr<int> Store::CommitFreeing(Catalog::Batch& batch,

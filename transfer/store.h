@@ -87,13 +87,21 @@ struct StepRecord {
       const ParallelConfig& config, int rank) const;
 };
 
-// A step this host of a cluster saved whole, waiting for the cluster to
-// commit it (every host's part saved) or drop it. Durable, so that a host
-// that said it saved its part keeps it through a crash; seen by no reader
-// (views, materialization, export) until Store::CommitAgreedStep.
+// What this host of a cluster holds of a step that waits for the cluster to
+// commit it (every host's part saved) or drop it: the part its own workers
+// saved whole, and the copies of other hosts' shards it keeps as their
+// extra replica (`mount --replicas 2`). Durable, so that a host that said
+// it holds them keeps them through a crash; seen by no reader (views,
+// materialization, export) until Store::CommitAgreedStep. The catalog keeps
+// the two parts apart (one written by the step's writer, one by the
+// cluster's thread); readers see them as one.
 struct PendingStep {
-  StepRecord record;  // `held`: the groups saved here
+  StepRecord record;  // `held`: every group held here, saved or copied
   std::map<int, ShardRecord> shards;
+  // This host's workers saved their part (else it holds only copies).
+  bool saved = true;
+  // The groups of `held` copied from other hosts.
+  std::vector<int> copied;
   // Every blob it names: the shards' and the extra files'.
   std::vector<std::string> Blobs() const;
 };
@@ -218,8 +226,20 @@ class Store {
       const std::map<std::string, BlobRecord>& copied = {});
   // Drops a pending step the cluster will not commit, and its blobs.
   absl::Status DiscardPending(int64_t step);
+  // Keeps copies of other hosts' shards of pending step `step` (saved
+  // under `config`, of `groups` groups), in blobs `blobs` records, as part
+  // of what this host holds of it. One catalog batch.
+  absl::Status AddPendingCopies(int64_t step, const std::string& config,
+                                int groups,
+                                const std::map<int, ShardRecord>& shards,
+                                const std::map<std::string, BlobRecord>& blobs);
+  // Drops group `group` from what this host holds of pending step `step`
+  // (a replica found to differ from the one the cluster keeps), and its
+  // blobs.
+  absl::Status DropPendingGroup(int64_t step, int group);
   // The catalog key and value of a pending step, for its writer's batch.
   static std::string PendingKey(int64_t step);
+  static std::string PendingCopiesKey(int64_t step);
   static std::string EncodePending(const PendingStep& pending);
   // Every registered dataset, by name.
   absl::StatusOr<std::map<std::string, DatasetRecord>> Datasets() const;

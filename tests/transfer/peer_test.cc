@@ -14,7 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tests/store_fixture.h"
-#include "transfer/extra_copy.h"
+#include "transfer/blob_copy.h"
 #include "transfer/fetch_ahead.h"
 #include "transfer/fsck.h"
 #include "transfer/materializer.h"
