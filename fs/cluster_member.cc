@@ -617,6 +617,7 @@ nlohmann::json ClusterMember::StatusSection() {
                       {"bytes_served", served},
                       {"bytes_reused", remote_->bytes_reused()},
                       {"saves", saves_->Status()},
+                      {"replicas_refused", saves_->ReplicasRefused()},
                       {"datasets_refused", datasets_refused_}};
   if (!etcd_error_.empty()) j["etcd_error"] = etcd_error_;
   // Each other host as this one last reached it.

@@ -49,6 +49,9 @@ absl::StatusOr<StepRecord> StepFromJson(int64_t step, const std::string& value,
   return record;
 }
 
+// Refusals of replicas kept for `status`.
+constexpr size_t kRefusalsKept = 16;
+
 // The rank with dp_rank 0 of shard group `group`, and the host that runs it.
 int SaverRank(const ParallelConfig& config, int group) {
   return config.Rank({.tp_rank = group % config.tp(),
@@ -91,7 +94,7 @@ absl::StatusOr<uint64_t> TensorBytesSum(const Store& store,
 
 // A shard as a vote describes it, for a host that copies it.
 nlohmann::json ShardJson(const Store& store, const ShardRecord& shard,
-                         absl::StatusOr<std::string> data) {
+                         const std::string& data) {
   nlohmann::json blobs = nlohmann::json::array();
   for (const std::string& name : shard.blobs) {
     absl::StatusOr<BlobRecord> blob = store.Blob(name);
@@ -102,8 +105,7 @@ nlohmann::json ShardJson(const Store& store, const ShardRecord& shard,
   nlohmann::json tensors = nlohmann::json::array();
   for (const ShardRecord::Location& t : shard.tensors)
     tensors.push_back({t.blob, t.offset});
-  return {
-      {"blobs", blobs}, {"tensors", tensors}, {"data", data.ok() ? *data : ""}};
+  return {{"blobs", blobs}, {"tensors", tensors}, {"data", data}};
 }
 
 }  // namespace
@@ -250,11 +252,16 @@ absl::StatusOr<std::string> ClusterSaves::VoteFor(const PendingStep& pending) {
   vote["held"] = record.held.value_or(std::vector<int>());
   vote["saved"] = pending.saved;
   vote["replicas"] = options_.replicas;
-  // Each shard held, with the checksum of its tensor bytes; those saved
-  // here as the group's dp_rank 0 rank are "own", for the next host to copy.
+  // Each shard held; those saved here as the group's dp_rank 0 rank are
+  // "own", for the next host to copy. Under dp > 1, where other hosts' ranks
+  // may save replicas of them, with the checksum of its tensor bytes (a
+  // copy is checked against the chunk sums instead).
   nlohmann::json shards = nlohmann::json::object();
   for (const auto& [g, shard] : pending.shards) {
-    ASSIGN_OR_RETURN(std::string data, DataSum(record.step, g, shard));
+    std::string data;
+    if (config.dp() > 1) {
+      ASSIGN_OR_RETURN(data, DataSum(record.step, g, shard));
+    }
     nlohmann::json j = ShardJson(job_.store(), shard, data);
     if (j.is_null()) {
       return absl::DataLossError(absl::StrCat("step ", record.step, " group ",
@@ -385,11 +392,15 @@ absl::StatusOr<bool> ClusterSaves::DropDifferingReplicas(
     RETURN_IF_ERROR(job_.store().DropPendingGroup(step, g));
     data_sums_[step].erase(g);
     dropped = true;
-    job_.ReportError(absl::StrFormat(
+    const std::string why = absl::StrFormat(
         "step %d: the replica of rank-%05d/model.safetensors saved on host %s "
         "differs from the one host %s saved (a data-parallel copy must be "
         "identical); host %s keeps none of it",
-        step, SaverRank(config, g), host_, saver, host_));
+        step, SaverRank(config, g), host_, saver, host_);
+    job_.ReportError(why);
+    std::lock_guard<std::mutex> lock(mu_);
+    refused_.push_back(why);
+    if (refused_.size() > kRefusalsKept) refused_.erase(refused_.begin());
   }
   return dropped;
 }
@@ -632,6 +643,11 @@ absl::Status ClusterSaves::Record(int64_t step,
   RETURN_IF_ERROR(job_.CommitAgreedStep(agreed, copied));
   recorded = true;
   return absl::OkStatus();
+}
+
+nlohmann::json ClusterSaves::ReplicasRefused() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return refused_;
 }
 
 nlohmann::json ClusterSaves::Status() const {

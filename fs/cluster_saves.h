@@ -88,6 +88,9 @@ class ClusterSaves {
 
   // The steps being saved as the last round saw them, for `status`.
   nlohmann::json Status() const;
+  // Why each replica saved here and found to differ was dropped, newest
+  // last (the step's commit clears `status`'s error; these stay).
+  nlohmann::json ReplicasRefused() const;
   // What each host held of each committed step when it voted, as the last
   // round saw them: a host reports its holdings a beat later, and a config
   // written at once must not be refused for want of them.
@@ -138,6 +141,7 @@ class ClusterSaves {
   std::map<int64_t, std::map<int, std::string>> data_sums_;
   mutable std::mutex mu_;
   nlohmann::json status_ = nlohmann::json::array();  // guarded by mu_
+  std::vector<std::string> refused_;                 // guarded by mu_
   std::vector<HostHolding> committed_holdings_;      // guarded by mu_
 };
 

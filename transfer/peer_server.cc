@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_reader.h"
 #include "transfer/peer.grpc.pb.h"
@@ -71,7 +72,7 @@ struct PeerServer::State {
     if (!record) return NoStep(step);
     std::vector<std::shared_ptr<const StepView>> made;
     for (int i = -1; i < static_cast<int>(record->retained.size()); ++i) {
-      const ViewKey key = KeyOf(*record, i, config);
+      ASSIGN_OR_RETURN(const ViewKey key, KeyOf(*record, i, config));
       {
         std::lock_guard<std::mutex> lock(mu);
         if (auto it = views.find(key); it != views.end()) {
@@ -98,24 +99,42 @@ struct PeerServer::State {
     return made;
   }
 
-  // Views are keyed by what they read from: a materialization that stores
-  // the step anew, or a release of what it retained, makes them stale.
+  // Views are keyed by exactly what they read from: the config the shards
+  // are stored under and every held shard's blobs. A materialization that
+  // stores the step anew, a release of what it retained, or the same step
+  // number saved again (its blobs are new) gives another key; a view cached
+  // for what the host held before is never served for what it holds now.
   // (`i` < 0: the stored shards; else the i-th retained holding.)
-  static ViewKey KeyOf(const StepRecord& record, int i,
-                       const ParallelConfig& config) {
-    return {record.step, config.ToString(),
-            i < 0
-                ? absl::StrCat("stored ", record.config)
-                : absl::StrCat("retained ", i, " ", record.retained[i].config)};
+  absl::StatusOr<ViewKey> KeyOf(const StepRecord& record, int i,
+                                const ParallelConfig& config) const {
+    std::string from;
+    auto add = [&](int g, const ShardRecord& shard) {
+      absl::StrAppend(&from, " ", g, ":", absl::StrJoin(shard.blobs, ","));
+    };
+    if (i < 0) {
+      from = absl::StrCat("stored ", record.config);
+      for (int g = 0; g < record.groups; ++g) {
+        if (!record.holds(g)) continue;
+        ASSIGN_OR_RETURN(ShardRecord shard, store->Shard(record.step, g));
+        add(g, shard);
+      }
+    } else {
+      from = absl::StrCat("retained ", record.retained[i].config);
+      for (const auto& [g, shard] : record.retained[i].groups) add(g, shard);
+    }
+    return ViewKey{record.step, config.ToString(), std::move(from)};
   }
 
   // Every view of the step as `record` holds it, if all are cached.
   std::optional<std::vector<std::shared_ptr<const StepView>>> CachedViews(
       const StepRecord& record, const ParallelConfig& config) {
     std::vector<std::shared_ptr<const StepView>> found;
-    std::lock_guard<std::mutex> lock(mu);
     for (int i = -1; i < static_cast<int>(record.retained.size()); ++i) {
-      auto it = views.find(KeyOf(record, i, config));
+      // A shard record gone meanwhile: the caller reads again, locked.
+      absl::StatusOr<ViewKey> key = KeyOf(record, i, config);
+      if (!key.ok()) return std::nullopt;
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = views.find(*key);
       if (it == views.end()) return std::nullopt;
       found.push_back(it->second);
     }

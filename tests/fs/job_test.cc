@@ -4,11 +4,13 @@
 // that synth cuts directly for the config.
 #include "fs/job.h"
 
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "nlohmann/json.hpp"
 #include "tests/store_fixture.h"
+#include "transfer/blob_checksum.h"
 #include "transfer/fsck.h"
 
 namespace scalai {
@@ -226,6 +228,98 @@ TEST_F(JobTest, AHostsPartOfAStepWaitsForTheCluster) {
   // Its number may be saved again.
   save_rank0(51);
   EXPECT_EQ(store_->PendingSteps()->size(), 1u);
+}
+
+// With `--replicas 2`, a host also keeps copies of another host's shards
+// of a pending step: they are held with its own part once the step commits,
+// and a copy found to differ is dropped with its blob.
+TEST_F(JobTest, CopiesOfAnotherHostsShardsAreHeldWithThePart) {
+  std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
+  job->SetAgreement([](const ParallelConfig&) { return absl::OkStatus(); });
+  const ParallelConfig hosted =
+      *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=a+b");
+  ASSERT_TRUE(job->Reconfigure(hosted).ok());
+  ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+  job->SetSaveAgreement(
+      {[](const ParallelConfig&) { return std::vector<int>{0}; },
+       [](int64_t) {}});
+  // Host a saves rank 0; rank 1's shard, as host b saved it, is copied in.
+  auto save = [&](int64_t step) {
+    SaveArea& area = job->saves();
+    auto dir = area.MkdirStep(absl::StrFormat("step-%08d", step), hosted);
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    auto rank = area.Mkdir(dir->ino, "rank-00000");
+    ASSERT_TRUE(rank.ok()) << rank.status();
+    auto file = area.Create(rank->ino, "model.safetensors");
+    ASSERT_TRUE(file.ok()) << file.status();
+    const std::string bytes = DirectShardFile(hosted, 0);
+    ASSERT_TRUE(
+        file->second->Write(bytes.data(), static_cast<int64_t>(bytes.size()), 0)
+            .ok());
+    ASSERT_TRUE(area.Close(file->first.ino, file->second).ok());
+    ASSERT_TRUE(job->PublishStep(step).ok());
+    auto own = store_->FindPending(step);
+    ASSERT_TRUE(own.ok() && own->has_value());
+    // Rank 1's file has rank 0's layout (tp halves of the same tensors).
+    const std::string copy = DirectShardFile(hosted, 1);
+    auto own_header =
+        SafetensorsHeader::Parse(bytes, static_cast<int64_t>(bytes.size()));
+    auto copy_header =
+        SafetensorsHeader::Parse(copy, static_cast<int64_t>(copy.size()));
+    ASSERT_TRUE(own_header.ok() && copy_header.ok());
+    const std::string blob = Store::NewBlobName();
+    {
+      std::ofstream out(store_->BlobPath(blob), std::ios::binary);
+      out.write(copy.data(), static_cast<std::streamsize>(copy.size()));
+    }
+    ChunkHasher hasher;
+    hasher.Update(copy.data(), static_cast<int64_t>(copy.size()));
+    ShardRecord shard;
+    shard.blobs = {blob};
+    for (const ShardRecord::Location& t : (*own)->shards.at(0).tensors) {
+      shard.tensors.push_back(
+          {0, t.offset - own_header->data_start() + copy_header->data_start()});
+    }
+    ASSERT_TRUE(store_
+                    ->AddPendingCopies(
+                        step, hosted.ToString(), 2, {{1, shard}},
+                        {{blob, BlobRecord{static_cast<int64_t>(copy.size()),
+                                           hasher.Finish(), step}}})
+                    .ok());
+  };
+
+  save(60);
+  auto pending = store_->FindPending(60);
+  ASSERT_TRUE(pending.ok() && pending->has_value());
+  EXPECT_TRUE((*pending)->saved);
+  EXPECT_EQ((*pending)->record.held, (std::vector<int>{0, 1}));
+  EXPECT_EQ((*pending)->copied, std::vector<int>{1});
+  EXPECT_TRUE(CheckStore(*store_, {})->empty());
+  StepRecord agreed;
+  agreed.step = 60;
+  agreed.config = hosted.ToString();
+  agreed.groups = 2;
+  ASSERT_TRUE(job->CommitAgreedStep(agreed).ok());
+  EXPECT_TRUE(store_->PendingSteps()->empty());
+  EXPECT_EQ((**store_->FindStep(60)).held, (std::vector<int>{0, 1}));
+  ExpectShardEqualsDirectCut(*job->current(), "step-00000060", hosted, 0);
+  ExpectShardEqualsDirectCut(*job->current(), "step-00000060", hosted, 1);
+  EXPECT_TRUE(CheckStore(*store_, {})->empty());
+
+  // A copy dropped takes its blob; the host's own part stays.
+  save(61);
+  auto copied = store_->FindPending(61);
+  ASSERT_TRUE(copied.ok() && copied->has_value());
+  const std::string copy_blob = (*copied)->shards.at(1).blobs[0];
+  ASSERT_TRUE(store_->DropPendingGroup(61, 1).ok());
+  EXPECT_FALSE(fs::exists(store_->BlobPath(copy_blob)));
+  auto left = store_->FindPending(61);
+  ASSERT_TRUE(left.ok() && left->has_value());
+  EXPECT_EQ((*left)->record.held, std::vector<int>{0});
+  EXPECT_TRUE(CheckStore(*store_, {})->empty());
+  ASSERT_TRUE(job->DiscardSave(61).ok());
+  EXPECT_TRUE(store_->PendingSteps()->empty());
+  EXPECT_TRUE(CheckStore(*store_, {})->empty());
 }
 
 TEST_F(JobTest, OlderTreesLiveWhileTheKernelNamesThem) {

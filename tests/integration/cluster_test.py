@@ -218,9 +218,9 @@ def main():
                 os.makedirs(f"{src}/rank-{rank:05d}")
                 write_safetensors(f"{src}/rank-{rank:05d}/model.safetensors", shard)
 
-            def mount(h):
+            def mount(h, *options):
                 p = net.run(h, BIN, "mount", f"{tmp}/{h}/store", mnts[h], "--cluster", cluster,
-                            "--host", h, capture_output=True, text=True)
+                            "--host", h, *options, capture_output=True, text=True)
                 assert p.returncode == 0, (h, p.stderr)
                 mounts.add(mnts[h])
 
@@ -257,6 +257,7 @@ def main():
             new_host(mnts, mount, mounts, full, config, tmp)
             config = saved_across_hosts(seed, net, mnts, mount, mounts, tmp)
             datasets_compared(mnts, mount, mounts, tmp)
+            config = replicas_kept(seed, mnts, mount, mounts, tmp)
 
             for h in HOSTS:
                 run("umount", mnts[h])
@@ -705,12 +706,27 @@ def new_host(mnts, mount, mounts, full, config, tmp):
 SAVE_CONFIG = "tp=2,pp=4,dp=1,hosts=h0+h1+h2+h3"  # two ranks a host, all dp_rank 0
 
 
+def saved_model(seed, config):
+    """A model as a job saves it: its full tensors, and each rank's shard
+    (a rank with dp_rank > 0 holds its dp_rank 0 rank's)."""
+    full = random_gpt(np.random.default_rng(seed), LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB,
+                      gated=True)
+    shards = rank_shards(full, config, True, DIVISOR, LAYERS)
+    tp, pp, dp, _ = parse_config(config)
+    for rank in range(tp * pp * dp):
+        t, d, p = rank % tp, rank // tp % dp, rank // (tp * dp)
+        shards[rank] = shards[(p * dp) * tp + t]
+    return full, shards
+
+
 def save_ranks(mnt, step, config, shards, ranks):
     """The workers of one host save `ranks` through its mount, as
-    Megatron's dp_rank 0 ranks do: their extra/ files, then the shard."""
+    Megatron's ranks do: each makes its directory as the save begins, then
+    writes its extra/ files, then its shard."""
+    for rank in ranks:
+        os.makedirs(f"{mnt}/ckpt/step-{step:08d}/rank-{rank:05d}/extra/rng", exist_ok=True)
     for rank in ranks:
         rank_dir = f"{mnt}/ckpt/step-{step:08d}/rank-{rank:05d}"
-        os.makedirs(f"{rank_dir}/extra/rng", exist_ok=True)
         with open(f"{rank_dir}/extra/rng/state.bin", "wb") as f:
             f.write(extra_bytes(step, rank))
         write_safetensors(f"{rank_dir}/model.safetensors", shards[rank],
@@ -789,9 +805,7 @@ def saved_across_hosts(seed, net, mnts, mount, mounts, tmp):
     wait_all(mnts, config)
 
     def model(k):
-        full = random_gpt(np.random.default_rng(seed + k), LAYERS, HIDDEN, HEADS, GROUPS, FFN,
-                          VOCAB, gated=True)
-        return full, rank_shards(full, config, True, DIVISOR, LAYERS)
+        return saved_model(seed + k, config)
 
     # Step 20: three hosts save, nothing commits; the fourth, and it does.
     full, shards = model(20)
@@ -881,6 +895,74 @@ def datasets_compared(mnts, mount, mounts, tmp):
     assert list(refused) == ["tokens"] and "content" in refused["tokens"], refused
     assert "dataset tokens differs from the cluster's" in status(mnts["h3"])["error"], status(mnts["h3"])
     print(f"a differing dataset copy refused on h3: {refused['tokens']}")
+
+
+
+def holds_of(mnt, host, step, timeout=30):
+    """The groups of `step` that `host` holds, as `mnt` sees it reported."""
+    deadline = time.time() + timeout
+    while True:
+        entry = [h for h in cluster_status(mnt)["hosts"] if h["name"] == host][0]
+        groups = [e["groups"] for e in entry.get("holds", []) if e["step"] == step]
+        if groups:
+            return groups[0]
+        assert time.time() < deadline, entry
+        time.sleep(0.2)
+
+
+def replicas_kept(seed, mnts, mount, mounts, tmp):
+    """Every host mounted with --replicas 2. Under dp=2, h1 runs stage 0's
+    replicas and saves them: the one it saved wrong (one value off) is found
+    by checksum against h0's, dropped, and h1 copies h0's instead before the
+    step commits. Under dp=1, each host's shards are copied to the next host
+    as the step is saved; h1 SIGKILLed, a config without it is accepted and
+    materialized from h2's copy, byte for byte."""
+    for h in HOSTS:
+        run("umount", mnts[h])
+        mounts.discard(mnts[h])
+        mount(h, "--replicas", "2")
+    wait_live(mnts["h0"], HOSTS)
+    spread = "tp=2,pp=2,dp=2,hosts=h0+h1+h2+h3"  # h1, h3: the replicas of h0, h2
+    assert write_config(mnts["h0"], spread) == 0, status(mnts["h0"])
+    wait_all(mnts, spread)
+    full, shards = saved_model(seed + 40, spread)
+    wrong = {n: x.copy() for n, x in shards[3].items()}
+    wrong[sorted(wrong)[0]].flat[0] += 1
+    for h in HOSTS:
+        save_ranks(mnts[h], 40, spread, {**shards, 3: wrong}, host_ranks(h, spread))
+    wait_latest(mnts, 40)
+    refused = cluster_status(mnts["h1"])["replicas_refused"]
+    assert len(refused) == 1 and ("rank-00001/model.safetensors saved on host h1 differs from "
+                                  "the one host h0") in refused[0], refused
+    error = refused[0]
+    for h, m in mnts.items():
+        check_bytes(m, full, spread, LAYERS, DIVISOR)
+    assert holds_of(mnts["h0"], "h1", 40) == [0, 1]
+    print(f"step 40 under dp=2: h1's wrong replica refused ({error}); h1 keeps h0's copy")
+
+    line = "tp=2,pp=4,dp=1,hosts=h0+h1+h2+h3"
+    assert write_config(mnts["h2"], line) == 0, status(mnts["h2"])
+    wait_all(mnts, line)
+    full, shards = saved_model(seed + 50, line)
+    for h in HOSTS:
+        save_ranks(mnts[h], 50, line, shards, host_ranks(h, line))
+    wait_latest(mnts, 50)
+    for h, nxt in [("h0", "h1"), ("h1", "h2"), ("h2", "h3"), ("h3", "h0")]:
+        own = set(host_ranks(h, line))  # under dp=1, a rank's group has its number
+        assert own <= set(holds_of(mnts["h0"], nxt, 50)), (h, nxt)
+    kill_host("h1", mnts, mounts, tmp)
+    alive = {h: m for h, m in mnts.items() if h != "h1"}
+    wait_live(mnts["h0"], alive)
+    fewer = "tp=2,pp=2,dp=1,hosts=h0+h2"
+    assert write_config(mnts["h0"], fewer) == 0, status(mnts["h0"])
+    wait_all(alive, fewer)
+    for h in ["h0", "h2"]:
+        check_bytes(mnts[h], full, fewer, LAYERS, DIVISOR)
+    mount("h1", "--replicas", "2")
+    wait_all(mnts, fewer)
+    check_bytes(mnts["h1"], full, fewer, LAYERS, DIVISOR)
+    print("step 50 under dp=1 with --replicas 2: h1 SIGKILLed, its shards came from h2's copy")
+    return fewer
 
 
 if __name__ == "__main__":
