@@ -153,7 +153,8 @@ absl::Status ClusterMember::Start() {
         auto it = peers_by_name_.find(name);
         return it == peers_by_name_.end() ? nullptr : it->second.data.get();
       },
-      ClusterSaves::Options{.replicas = options_.replicas});
+      ClusterSaves::Options{.replicas = options_.replicas,
+                            .on_copied = [this] { BeatNow(); }});
   RETURN_IF_ERROR(saves_->Reconcile());
   job_.SetSaveAgreement({[this](const ParallelConfig& config) {
                            return ClusterSaves::RanksOfHost(config, host_);
@@ -183,14 +184,17 @@ ClusterMember::~ClusterMember() {
   wake_.notify_all();
   if (beat_.joinable()) beat_.join();
   if (check_.joinable()) check_.join();
-  std::unique_ptr<EtcdClient::Watch> watch;
+  std::unique_ptr<EtcdClient::Watch> watch, saves_watch;
   int64_t lease = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     watch = std::move(watch_);
+    saves_watch = std::move(saves_watch_);
     lease = lease_;
   }
   watch.reset();
+  saves_watch.reset();
+  saves_.reset();  // its copies read from peers_by_name_'s clients
   // Not live from now on, rather than when the lease runs out.
   if (lease != 0 && etcd_ != nullptr) (void)etcd_->RevokeLease(lease);
   peers_.reset();
@@ -214,9 +218,17 @@ absl::Status ClusterMember::Watch(int64_t after) {
                                       [this](const EtcdClient::Event& e) {
                                         if (!e.deleted) Apply(e.kv);
                                       }));
-  std::unique_ptr<EtcdClient::Watch> old;  // joined unlocked
+  // A vote or a commit of a step elsewhere is acted on at once, not at the
+  // next beat: each round of a save across hosts (vote, copy, commit,
+  // record) would otherwise wait up to a beat.
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<EtcdClient::Watch> saves,
+      etcd_->WatchPrefix(Key("saves/"), after,
+                         [this](const EtcdClient::Event&) { BeatNow(); }));
+  std::unique_ptr<EtcdClient::Watch> old, old_saves;  // joined unlocked
   std::lock_guard<std::mutex> lock(mu_);
   old = std::exchange(watch_, std::move(watch));
+  old_saves = std::exchange(saves_watch_, std::move(saves));
   return absl::OkStatus();
 }
 
@@ -373,7 +385,8 @@ void ClusterMember::Beat() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       lease = lease_;
-      watching = watch_ != nullptr && watch_->status().ok();
+      watching = watch_ != nullptr && watch_->status().ok() &&
+                 saves_watch_ != nullptr && saves_watch_->status().ok();
       revision = seen_revision_;
     }
     absl::Status s = etcd_->KeepAlive(lease);

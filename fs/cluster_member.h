@@ -144,6 +144,7 @@ class ClusterMember {
   std::vector<HostHolding> holdings_;  // what this host's store holds
   std::string bytes_held_key_;
   std::unique_ptr<EtcdClient::Watch> watch_;
+  std::unique_ptr<EtcdClient::Watch> saves_watch_;  // wakes the beat
   // The other hosts: a client each for the checks and one for bytes (with
   // a longer deadline; both thread-safe), and what the last check found.
   struct Peer {

@@ -301,8 +301,9 @@ absl::Status ClusterSaves::Vote(const PendingStep& pending, StepKeys& keys) {
   return absl::OkStatus();
 }
 
-absl::Status ClusterSaves::CopyReplicas(int64_t step, const StepKeys& keys,
-                                        const PendingStep* mine) {
+std::vector<ClusterSaves::WantedCopy> ClusterSaves::WantedCopies(
+    int64_t step, const StepKeys& keys, const PendingStep* mine) const {
+  std::vector<WantedCopy> wanted;
   for (const auto& [from, kv] : keys.votes) {
     if (from == host_) continue;
     const nlohmann::json vote = nlohmann::json::parse(kv.value, nullptr, false);
@@ -312,60 +313,97 @@ absl::Status ClusterSaves::CopyReplicas(int64_t step, const StepKeys& keys,
         !vote["config"].is_string()) {
       continue;
     }
-    ASSIGN_OR_RETURN(ParallelConfig config,
-                     ParallelConfig::Parse(vote["config"].get<std::string>()));
-    if (NextHost(config, from) != host_) continue;
-    PeerClient* peer = peer_of_(from);
-    if (peer == nullptr) continue;
-    std::map<int, ShardRecord> shards;
-    std::map<std::string, BlobRecord> blobs;
-    absl::Cleanup drop = [&] {
-      for (const auto& [name, record] : blobs)
-        unlink(job_.store().BlobPath(name).c_str());
-    };
+    absl::StatusOr<ParallelConfig> config =
+        ParallelConfig::Parse(vote["config"].get<std::string>());
+    if (!config.ok() || NextHost(*config, from) != host_) continue;
+    WantedCopy want{
+        step, from, kv.key, config->ToString(), vote.value("groups", 0), {}};
     for (const auto& [group_text, j] : vote["shards"].items()) {
       int g = -1;
-      if (!absl::SimpleAtoi(group_text, &g) || !j.is_object() ||
-          !j.value("own", false) || (mine && mine->shards.contains(g))) {
-        continue;
+      if (absl::SimpleAtoi(group_text, &g) && j.is_object() &&
+          j.value("own", false) && !(mine && mine->shards.contains(g))) {
+        want.shards[g] = j;
       }
-      ShardRecord shard;
-      try {
-        const nlohmann::json& list = j.at("blobs");
-        for (size_t b = 0; b < list.size(); ++b) {
-          RemoteBlob remote;
-          remote.size = list[b].at("size").get<int64_t>();
-          ASSIGN_OR_RETURN(
-              remote.sums,
-              DecodeChunkSums(list[b].at("sums").get<std::string>()));
-          remote.read = [&, b](int64_t offset, int64_t length, char* out) {
-            return peer->ReadPendingShard(step, g, static_cast<int>(b), offset,
-                                          length, out);
-          };
-          ASSIGN_OR_RETURN(auto copy,
-                           CopyRemoteBlob(job_.store(), step, remote,
-                                          absl::StrCat("blob ", b, " of group ",
-                                                       g, " of step ", step,
-                                                       " from host ", from)));
-          shard.blobs.push_back(copy.first);
-          blobs.insert(std::move(copy));
-        }
-        for (const nlohmann::json& t : j.at("tensors")) {
-          shard.tensors.push_back({t.at(0).get<int>(), t.at(1).get<int64_t>()});
-        }
-      } catch (const std::exception&) {
-        return absl::DataLossError(absl::StrCat(
-            "etcd key ", kv.key, " describes group ", g, " as it cannot be"));
-      }
-      shards[g] = std::move(shard);
     }
-    if (shards.empty()) continue;
-    RETURN_IF_ERROR(SyncDir(job_.store().blob_dir()));
-    RETURN_IF_ERROR(job_.store().AddPendingCopies(
-        step, config.ToString(), vote.value("groups", 0), shards, blobs));
-    blobs.clear();  // recorded: kept
+    if (!want.shards.empty()) wanted.push_back(std::move(want));
   }
+  return wanted;
+}
+
+absl::Status ClusterSaves::Copy(const WantedCopy& want) {
+  PeerClient* peer = peer_of_(want.from);
+  if (peer == nullptr) {
+    return absl::NotFoundError(absl::StrCat("no peer ", want.from));
+  }
+  std::map<int, ShardRecord> shards;
+  std::map<std::string, BlobRecord> blobs;
+  absl::Cleanup drop = [&] {
+    for (const auto& [name, record] : blobs)
+      unlink(job_.store().BlobPath(name).c_str());
+  };
+  for (const auto& [g, j] : want.shards) {
+    ShardRecord shard;
+    try {
+      const nlohmann::json& list = j.at("blobs");
+      for (size_t b = 0; b < list.size(); ++b) {
+        RemoteBlob remote;
+        remote.size = list[b].at("size").get<int64_t>();
+        ASSIGN_OR_RETURN(
+            remote.sums,
+            DecodeChunkSums(list[b].at("sums").get<std::string>()));
+        remote.read = [&, b](int64_t offset, int64_t length,
+                             char* out) -> absl::StatusOr<int64_t> {
+          if (stopping_) return absl::CancelledError("the host is leaving");
+          return peer->ReadPendingShard(want.step, g, static_cast<int>(b),
+                                        offset, length, out);
+        };
+        ASSIGN_OR_RETURN(
+            auto copy, CopyRemoteBlob(job_.store(), want.step, remote,
+                                      absl::StrCat("blob ", b, " of group ", g,
+                                                   " of step ", want.step,
+                                                   " from host ", want.from)));
+        shard.blobs.push_back(copy.first);
+        blobs.insert(std::move(copy));
+      }
+      for (const nlohmann::json& t : j.at("tensors")) {
+        shard.tensors.push_back({t.at(0).get<int>(), t.at(1).get<int64_t>()});
+      }
+    } catch (const std::exception&) {
+      return absl::DataLossError(absl::StrCat(
+          "etcd key ", want.key, " describes group ", g, " as it cannot be"));
+    }
+    shards[g] = std::move(shard);
+  }
+  RETURN_IF_ERROR(SyncDir(job_.store().blob_dir()));
+  RETURN_IF_ERROR(job_.store().AddPendingCopies(want.step, want.config,
+                                                want.groups, shards, blobs));
+  blobs.clear();  // recorded: kept
   return absl::OkStatus();
+}
+
+void ClusterSaves::StartCopies(std::vector<WantedCopy> wanted) {
+  if (copier_.joinable()) copier_.join();  // done: copying_ was false
+  copying_ = true;
+  copier_ = std::thread([this, wanted = std::move(wanted)] {
+    std::string error;
+    for (const WantedCopy& want : wanted) {
+      if (absl::Status s = Copy(want); !s.ok()) {
+        error = absl::StrCat("the extra replica of step ", want.step,
+                             " is not made yet: ", s.message());
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      copy_error_ = std::move(error);
+    }
+    copying_ = false;
+    if (options_.on_copied) options_.on_copied();
+  });
+}
+
+ClusterSaves::~ClusterSaves() {
+  stopping_ = true;
+  if (copier_.joinable()) copier_.join();
 }
 
 absl::StatusOr<bool> ClusterSaves::DropDifferingReplicas(
@@ -498,25 +536,28 @@ absl::Status ClusterSaves::Advance() {
   ASSIGN_OR_RETURN(std::vector<PendingStep> pending,
                    job_.store().PendingSteps());
   ASSIGN_OR_RETURN(auto steps, ReadSaves());
-  // Extra replicas first, so that this round's vote says it holds them.
-  {
+  // Extra replicas are copied on their own thread, so that the beat (and
+  // the lease it renews) never waits for the bytes; the round after they
+  // are in votes for them.
+  if (!copying_) {
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      error = std::exchange(copy_error_, "");
+    }
+    if (!error.empty()) job_.ReportError(error);
     std::map<int64_t, const PendingStep*> held;
     for (const PendingStep& p : pending) held[p.record.step] = &p;
-    bool asked = false;
+    std::vector<WantedCopy> wanted;
     for (const auto& [step, keys] : steps) {
       if (keys.committed || keys.votes.empty()) continue;
-      asked = true;
       auto mine = held.find(step);
-      absl::Status s =
-          CopyReplicas(step, keys, mine == held.end() ? nullptr : mine->second);
-      if (!s.ok()) {
-        job_.ReportError(absl::StrCat("the extra replica of step ", step,
-                                      " is not made yet: ", s.message()));
+      for (WantedCopy& want : WantedCopies(
+               step, keys, mine == held.end() ? nullptr : mine->second)) {
+        wanted.push_back(std::move(want));
       }
     }
-    if (asked) {
-      ASSIGN_OR_RETURN(pending, job_.store().PendingSteps());
-    }
+    if (!wanted.empty()) StartCopies(std::move(wanted));
   }
   std::set<int64_t> mine;
   for (const PendingStep& p : pending) {
@@ -524,8 +565,13 @@ absl::Status ClusterSaves::Advance() {
     mine.insert(step);
     StepKeys& keys = steps[step];
     if (keys.committed) continue;  // recorded below
-    if (voted_.contains(step) && !keys.votes.contains(host_)) {
-      // Withdrawn: a host that had to save the step stopped before it did.
+    // Withdrawn: a host that had to save the step stopped before it did.
+    // (Copies of other hosts' shards are made only from their votes: with
+    // none left, the step is gone too.)
+    const bool others_voted =
+        keys.votes.size() > (keys.votes.contains(host_) ? 1u : 0u);
+    if ((voted_.contains(step) && !keys.votes.contains(host_)) ||
+        (!p.saved && !others_voted && !copying_)) {
       RETURN_IF_ERROR(job_.DiscardSave(step));
       Forget(step);
       mine.erase(step);

@@ -29,6 +29,7 @@
 #ifndef SCALAI_FS_CLUSTER_SAVES_H_
 #define SCALAI_FS_CLUSTER_SAVES_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -36,6 +37,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -59,10 +61,15 @@ class ClusterSaves {
     // How many hosts keep each saved shard: 2 has the next host in the
     // config's list keep a copy of this host's (`mount --replicas`).
     int replicas = 1;
+    // Called, on the copying thread, once copies of other hosts' shards
+    // are in: the next round votes for them.
+    std::function<void()> on_copied;
   };
 
   ClusterSaves(Job& job, EtcdClient& etcd, std::string host, KeyOf key,
                PeerOf peer_of, Options options);
+  // Stops a copy under way and waits for its thread.
+  ~ClusterSaves();
 
   // The host after `host` in `config`'s list of hosts (the first after
   // the last), which keeps its shards' extra replica; "" for a config on
@@ -111,10 +118,23 @@ class ClusterSaves {
   // The checksum of a held shard's tensor bytes (cached by step).
   absl::StatusOr<std::string> DataSum(int64_t step, int group,
                                       const ShardRecord& shard);
-  // Copies the shards that other hosts' votes ask this host to keep as
-  // their extra replica; `mine` is what it holds of the step already.
-  absl::Status CopyReplicas(int64_t step, const StepKeys& keys,
-                            const PendingStep* mine);
+  // Shards of another host's vote to copy here, as their extra replica.
+  struct WantedCopy {
+    int64_t step = 0;
+    std::string from;  // the host that saved them
+    std::string key;   // its vote's
+    std::string config;
+    int groups = 0;
+    std::map<int, nlohmann::json> shards;  // as the vote describes them
+  };
+  // What other hosts' votes for `step` ask this host to keep; `mine` is
+  // what it holds of the step already.
+  std::vector<WantedCopy> WantedCopies(int64_t step, const StepKeys& keys,
+                                       const PendingStep* mine) const;
+  // Copies them, checked against their sums, into this host's pending part.
+  absl::Status Copy(const WantedCopy& want);
+  // Runs the copies on copier_.
+  void StartCopies(std::vector<WantedCopy> wanted);
   // Drops the replicas saved here whose bytes differ from the shard the
   // host of their dp_rank 0 rank saved; true if it dropped one.
   absl::StatusOr<bool> DropDifferingReplicas(const PendingStep& mine,
@@ -142,7 +162,12 @@ class ClusterSaves {
   mutable std::mutex mu_;
   nlohmann::json status_ = nlohmann::json::array();  // guarded by mu_
   std::vector<std::string> refused_;                 // guarded by mu_
-  std::vector<HostHolding> committed_holdings_;      // guarded by mu_
+  std::string copy_error_;  // the last copies' failure; guarded by mu_
+  // One batch of copies at a time, started by Advance.
+  std::thread copier_;
+  std::atomic<bool> copying_{false};
+  std::atomic<bool> stopping_{false};
+  std::vector<HostHolding> committed_holdings_;  // guarded by mu_
 };
 
 }  // namespace scalai

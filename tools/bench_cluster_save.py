@@ -90,7 +90,8 @@ def cp_round(tmp, shards):
         shutil.rmtree(o, ignore_errors=True)
         os.makedirs(o)
     start = time.perf_counter()
-    procs = [subprocess.Popen(["cp"] + [shards[r] for r in ranks_of(h)] + [o])
+    procs = [subprocess.Popen(["sh", "-c", " && ".join(
+                 f"cp {shards[r]} {o}/rank-{r:05d}.safetensors" for r in ranks_of(h))])
              for h, o in zip(HOSTS, outs)]
     for p in procs:
         p.wait()
