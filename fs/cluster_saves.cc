@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
 #include "transfer/blob_copy.h"
@@ -237,12 +238,15 @@ absl::Status ClusterSaves::Withdraw(int64_t step) {
   return etcd_.Commit(txn).status();
 }
 
-absl::StatusOr<std::string> ClusterSaves::DataSum(int64_t step, int group,
+absl::StatusOr<std::string> ClusterSaves::DataSum(int64_t step,
                                                   const ShardRecord& shard) {
-  std::map<int, std::string>& sums = data_sums_[step];
-  if (auto it = sums.find(group); it != sums.end()) return it->second;
+  // By the blobs read: a group may be held by another shard later (a copy
+  // in place of a replica that differed).
+  std::map<std::string, std::string>& sums = data_sums_[step];
+  const std::string key = absl::StrJoin(shard.blobs, ",");
+  if (auto it = sums.find(key); it != sums.end()) return it->second;
   ASSIGN_OR_RETURN(uint64_t sum, TensorBytesSum(job_.store(), shard));
-  return sums[group] = EncodeChunkSums({sum});
+  return sums[key] = EncodeChunkSums({sum});
 }
 
 absl::StatusOr<std::string> ClusterSaves::VoteFor(const PendingStep& pending) {
@@ -260,7 +264,7 @@ absl::StatusOr<std::string> ClusterSaves::VoteFor(const PendingStep& pending) {
   for (const auto& [g, shard] : pending.shards) {
     std::string data;
     if (config.dp() > 1) {
-      ASSIGN_OR_RETURN(data, DataSum(record.step, g, shard));
+      ASSIGN_OR_RETURN(data, DataSum(record.step, shard));
     }
     nlohmann::json j = ShardJson(job_.store(), shard, data);
     if (j.is_null()) {
@@ -425,10 +429,9 @@ absl::StatusOr<bool> ClusterSaves::DropDifferingReplicas(
                   .value(std::to_string(g), nlohmann::json::object())
                   .value("data", "")
             : "";
-    ASSIGN_OR_RETURN(std::string ours, DataSum(step, g, shard));
+    ASSIGN_OR_RETURN(std::string ours, DataSum(step, shard));
     if (theirs.empty() || theirs == ours) continue;
     RETURN_IF_ERROR(job_.store().DropPendingGroup(step, g));
-    data_sums_[step].erase(g);
     dropped = true;
     const std::string why = absl::StrFormat(
         "step %d: the replica of rank-%05d/model.safetensors saved on host %s "
@@ -546,6 +549,8 @@ absl::Status ClusterSaves::Advance() {
       error = std::exchange(copy_error_, "");
     }
     if (!error.empty()) job_.ReportError(error);
+    // Read again now that no copy runs: the last one's are in.
+    ASSIGN_OR_RETURN(pending, job_.store().PendingSteps());
     std::map<int64_t, const PendingStep*> held;
     for (const PendingStep& p : pending) held[p.record.step] = &p;
     std::vector<WantedCopy> wanted;

@@ -115,9 +115,8 @@ class ClusterSaves {
   absl::StatusOr<std::string> VoteFor(const PendingStep& pending);
   // Votes anew when what this host holds changed since its last vote.
   absl::Status Vote(const PendingStep& pending, StepKeys& keys);
-  // The checksum of a held shard's tensor bytes (cached by step).
-  absl::StatusOr<std::string> DataSum(int64_t step, int group,
-                                      const ShardRecord& shard);
+  // The checksum of a held shard's tensor bytes (cached by its blobs).
+  absl::StatusOr<std::string> DataSum(int64_t step, const ShardRecord& shard);
   // Shards of another host's vote to copy here, as their extra replica.
   struct WantedCopy {
     int64_t step = 0;
@@ -155,10 +154,10 @@ class ClusterSaves {
   const PeerOf peer_of_;
   const Options options_;
   // Steps this host voted for and still holds pending, with the vote it
-  // gave, and the checksums of their shards' tensor bytes by group. Only
+  // gave, and the checksums of their shards' tensor bytes by blobs. Only
   // the caller of Reconcile and Advance (one thread) uses them.
   std::map<int64_t, std::string> voted_;
-  std::map<int64_t, std::map<int, std::string>> data_sums_;
+  std::map<int64_t, std::map<std::string, std::string>> data_sums_;
   mutable std::mutex mu_;
   nlohmann::json status_ = nlohmann::json::array();  // guarded by mu_
   std::vector<std::string> refused_;                 // guarded by mu_

@@ -500,6 +500,7 @@ absl::StatusOr<std::set<std::string>> Store::BlobsInUse() const {
 
 std::vector<std::string> PendingStep::Blobs() const {
   std::vector<std::string> blobs = record.ExtraBlobs();
+  blobs.insert(blobs.end(), duplicates.begin(), duplicates.end());
   for (const auto& [g, shard] : shards)
     blobs.insert(blobs.end(), shard.blobs.begin(), shard.blobs.end());
   return blobs;
@@ -568,10 +569,15 @@ absl::StatusOr<std::optional<PendingStep>> MergePending(
         "pending step ", saved->record.step, " was saved under ",
         saved->record.config, " and copied under ", copies->record.config));
   }
-  saved->copied = copies->copied;
   for (auto& [g, shard] : copies->shards) {
-    if (saved->shards.emplace(g, std::move(shard)).second)
-      saved->record.held->push_back(g);
+    if (saved->shards.contains(g)) {
+      saved->duplicates.insert(saved->duplicates.end(), shard.blobs.begin(),
+                               shard.blobs.end());
+      continue;
+    }
+    saved->copied.push_back(g);
+    saved->record.held->push_back(g);
+    saved->shards.emplace(g, std::move(shard));
   }
   std::sort(saved->record.held->begin(), saved->record.held->end());
   return saved;
@@ -623,7 +629,9 @@ absl::Status Store::CommitAgreedStep(
     const StepRecord& agreed, const std::map<std::string, BlobRecord>& copied) {
   ASSIGN_OR_RETURN(std::optional<StepRecord> existing, FindStep(agreed.step));
   if (existing) {
-    if (existing->config == agreed.config) return absl::OkStatus();
+    // Recorded already: what is still pending of it (a copy that came
+    // late) is not part of it, and goes.
+    if (existing->config == agreed.config) return DiscardPending(agreed.step);
     return absl::AlreadyExistsError(
         absl::StrCat("step ", agreed.step, " is already recorded under ",
                      existing->config, ", not ", agreed.config));
@@ -652,7 +660,10 @@ absl::Status Store::CommitAgreedStep(
   }
   record.extra_config = record.extra.empty() ? "" : agreed.config;
   batch.Put(Table::kSteps, StepKey(agreed.step), EncodeStep(record));
-  return catalog_->Commit(batch);
+  if (!pending) return catalog_->Commit(batch);
+  const std::set<std::string> duplicates(pending->duplicates.begin(),
+                                         pending->duplicates.end());
+  return CommitFreeing(batch, duplicates, {}).status();
 }
 
 absl::Status Store::DiscardPending(int64_t step) {
@@ -682,16 +693,24 @@ absl::Status Store::AddPendingCopies(
     copies.record.groups = groups;
     copies.record.held.emplace();
   }
+  // A group copied here already keeps its first copy; the second's blobs
+  // are not recorded, and go.
+  std::set<std::string> added, unused;
   for (const auto& [g, shard] : shards) {
-    if (copies.shards.emplace(g, shard).second)
-      copies.record.held->push_back(g);
+    std::set<std::string>& into =
+        copies.shards.emplace(g, shard).second ? added : unused;
+    into.insert(shard.blobs.begin(), shard.blobs.end());
+    if (&into == &added) copies.record.held->push_back(g);
   }
   std::sort(copies.record.held->begin(), copies.record.held->end());
   Catalog::Batch batch;
-  for (const auto& [name, blob] : blobs)
-    batch.Put(Table::kBlobs, name, EncodeBlob(blob));
+  for (const auto& [name, blob] : blobs) {
+    if (added.contains(name)) batch.Put(Table::kBlobs, name, EncodeBlob(blob));
+  }
   batch.Put(Table::kMeta, key, EncodePending(copies));
-  return catalog_->Commit(batch);
+  RETURN_IF_ERROR(catalog_->Commit(batch));
+  for (const std::string& name : unused) unlink(BlobPath(name).c_str());
+  return absl::OkStatus();
 }
 
 absl::Status Store::DropPendingGroup(int64_t step, int group) {

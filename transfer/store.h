@@ -102,6 +102,10 @@ struct PendingStep {
   bool saved = true;
   // The groups of `held` copied from other hosts.
   std::vector<int> copied;
+  // Blobs of copies of groups that this host's workers also saved (the
+  // saved shard stands for the group): kept until the step is recorded or
+  // dropped, then removed.
+  std::vector<std::string> duplicates;
   // Every blob it names: the shards' and the extra files'.
   std::vector<std::string> Blobs() const;
 };
@@ -228,7 +232,8 @@ class Store {
   absl::Status DiscardPending(int64_t step);
   // Keeps copies of other hosts' shards of pending step `step` (saved
   // under `config`, of `groups` groups), in blobs `blobs` records, as part
-  // of what this host holds of it. One catalog batch.
+  // of what this host holds of it. One catalog batch. A group already
+  // copied keeps its first copy (the blobs of another are removed).
   absl::Status AddPendingCopies(int64_t step, const std::string& config,
                                 int groups,
                                 const std::map<int, ShardRecord>& shards,

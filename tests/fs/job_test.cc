@@ -287,13 +287,33 @@ TEST_F(JobTest, CopiesOfAnotherHostsShardsAreHeldWithThePart) {
                                            hasher.Finish(), step}}})
                     .ok());
   };
+  // A copy of a group this host's workers saved too (copied before they
+  // did): the saved shard stands for it, the copy's blob goes with the step.
+  auto copy_own = [&](int64_t step) -> std::string {
+    auto own = store_->FindPending(step);
+    EXPECT_TRUE(own.ok() && own->has_value());
+    const ShardRecord saved = (*own)->shards.at(0);
+    const std::string blob = Store::NewBlobName();
+    fs::copy_file(store_->BlobPath(saved.blobs[0]), store_->BlobPath(blob));
+    auto record = store_->Blob(saved.blobs[0]);
+    EXPECT_TRUE(record.ok());
+    ShardRecord shard = saved;
+    shard.blobs = {blob};
+    EXPECT_TRUE(store_
+                    ->AddPendingCopies(step, hosted.ToString(), 2, {{0, shard}},
+                                       {{blob, *record}})
+                    .ok());
+    return blob;
+  };
 
   save(60);
+  const std::string duplicate = copy_own(60);
   auto pending = store_->FindPending(60);
   ASSERT_TRUE(pending.ok() && pending->has_value());
   EXPECT_TRUE((*pending)->saved);
   EXPECT_EQ((*pending)->record.held, (std::vector<int>{0, 1}));
   EXPECT_EQ((*pending)->copied, std::vector<int>{1});
+  EXPECT_EQ((*pending)->duplicates, std::vector<std::string>{duplicate});
   EXPECT_TRUE(CheckStore(*store_, {})->empty());
   StepRecord agreed;
   agreed.step = 60;
@@ -304,6 +324,7 @@ TEST_F(JobTest, CopiesOfAnotherHostsShardsAreHeldWithThePart) {
   EXPECT_EQ((**store_->FindStep(60)).held, (std::vector<int>{0, 1}));
   ExpectShardEqualsDirectCut(*job->current(), "step-00000060", hosted, 0);
   ExpectShardEqualsDirectCut(*job->current(), "step-00000060", hosted, 1);
+  EXPECT_FALSE(fs::exists(store_->BlobPath(duplicate)));
   EXPECT_TRUE(CheckStore(*store_, {})->empty());
 
   // A copy dropped takes its blob; the host's own part stays.
