@@ -55,6 +55,25 @@ class JobTest : public StoreFixture {
     }
   }
 
+  // A worker of rank 0 saves its shard, cut directly, into step `step`
+  // (directory `step_dir`), the step's only rank saved here.
+  void SaveRank0(Job& job, uint64_t step_dir, const ParallelConfig& config,
+                 int64_t step) {
+    SaveArea& area = job.saves();
+    auto rank = area.Mkdir(step_dir, "rank-00000");
+    ASSERT_TRUE(rank.ok()) << rank.status();
+    auto file = area.Create(rank->ino, "model.safetensors");
+    ASSERT_TRUE(file.ok()) << file.status();
+    const std::string bytes = DirectShardFile(config, 0);
+    ASSERT_TRUE(
+        file->second->Write(bytes.data(), static_cast<int64_t>(bytes.size()), 0)
+            .ok());
+    absl::StatusOr<bool> complete = area.Close(file->first.ino, file->second);
+    ASSERT_TRUE(complete.ok()) << complete.status();
+    EXPECT_TRUE(*complete);
+    ASSERT_TRUE(job.PublishStep(step).ok());
+  }
+
   nlohmann::json Status(Job& job) {
     return nlohmann::json::parse(job.StatusText());
   }
@@ -169,18 +188,7 @@ TEST_F(JobTest, AHostsPartOfAStepWaitsForTheCluster) {
     EXPECT_NE(other.status().message().find("runs on another host"),
               std::string::npos)
         << other.status();
-    auto rank = area.Mkdir(dir->ino, "rank-00000");
-    ASSERT_TRUE(rank.ok()) << rank.status();
-    auto file = area.Create(rank->ino, "model.safetensors");
-    ASSERT_TRUE(file.ok()) << file.status();
-    const std::string bytes = DirectShardFile(hosted, 0);
-    ASSERT_TRUE(
-        file->second->Write(bytes.data(), static_cast<int64_t>(bytes.size()), 0)
-            .ok());
-    absl::StatusOr<bool> complete = area.Close(file->first.ino, file->second);
-    ASSERT_TRUE(complete.ok()) << complete.status();
-    EXPECT_TRUE(*complete);
-    ASSERT_TRUE(job->PublishStep(step).ok());
+    SaveRank0(*job, dir->ino, hosted, step);
   };
   auto shows = [&](int64_t step) {
     return Walk(*job->current(),
@@ -248,16 +256,8 @@ TEST_F(JobTest, CopiesOfAnotherHostsShardsAreHeldWithThePart) {
     SaveArea& area = job->saves();
     auto dir = area.MkdirStep(absl::StrFormat("step-%08d", step), hosted);
     ASSERT_TRUE(dir.ok()) << dir.status();
-    auto rank = area.Mkdir(dir->ino, "rank-00000");
-    ASSERT_TRUE(rank.ok()) << rank.status();
-    auto file = area.Create(rank->ino, "model.safetensors");
-    ASSERT_TRUE(file.ok()) << file.status();
+    SaveRank0(*job, dir->ino, hosted, step);
     const std::string bytes = DirectShardFile(hosted, 0);
-    ASSERT_TRUE(
-        file->second->Write(bytes.data(), static_cast<int64_t>(bytes.size()), 0)
-            .ok());
-    ASSERT_TRUE(area.Close(file->first.ino, file->second).ok());
-    ASSERT_TRUE(job->PublishStep(step).ok());
     auto own = store_->FindPending(step);
     ASSERT_TRUE(own.ok() && own->has_value());
     // Rank 1's file has rank 0's layout (tp halves of the same tensors).
