@@ -175,9 +175,13 @@ std::string ClusterSaves::StepPrefix(int64_t step) const {
 }
 
 absl::StatusOr<std::map<int64_t, ClusterSaves::StepKeys>>
-ClusterSaves::ReadSaves() {
+ClusterSaves::ReadSaves(int64_t from) {
   const std::string prefix = key_("saves/");
-  ASSIGN_OR_RETURN(EtcdClient::Snapshot snapshot, etcd_.GetPrefix(prefix));
+  // Steps are numbered with leading zeros: key order is step order.
+  ASSIGN_OR_RETURN(
+      EtcdClient::Snapshot snapshot,
+      etcd_.GetRange(absl::StrCat(prefix, absl::StrFormat("%020d", from)),
+                     PrefixEnd(prefix)));
   std::map<int64_t, StepKeys> steps;
   for (EtcdClient::KeyValue& kv : snapshot.kvs) {
     // saves/STEP/vote/HOST or saves/STEP/committed
@@ -538,7 +542,14 @@ absl::StatusOr<bool> ClusterSaves::TryCommit(int64_t step, StepKeys& keys) {
 absl::Status ClusterSaves::Advance() {
   ASSIGN_OR_RETURN(std::vector<PendingStep> pending,
                    job_.store().PendingSteps());
-  ASSIGN_OR_RETURN(auto steps, ReadSaves());
+  // What this round may act on: steps pending here, and steps from the
+  // newest one recorded here on (committed since, or being saved). Older
+  // ones were recorded, dropped, or committed before this host joined.
+  ASSIGN_OR_RETURN(std::vector<StepRecord> recorded, job_.store().Steps());
+  const int64_t newest = recorded.empty() ? -1 : recorded.back().step;
+  int64_t from = std::max<int64_t>(newest, 0);
+  for (const PendingStep& p : pending) from = std::min(from, p.record.step);
+  ASSIGN_OR_RETURN(auto steps, ReadSaves(from));
   // Extra replicas are copied on their own thread, so that the beat (and
   // the lease it renews) never waits for the bytes; the round after they
   // are in votes for them.
@@ -598,10 +609,8 @@ absl::Status ClusterSaves::Advance() {
     }
   }
   // Committed steps this host has pending, or has not recorded and that
-  // are newer than every step it has (an older one is one the retention
+  // are newer than every step it had (an older one is one the retention
   // dropped, or one from before this host joined).
-  ASSIGN_OR_RETURN(std::vector<StepRecord> recorded, job_.store().Steps());
-  const int64_t newest = recorded.empty() ? -1 : recorded.back().step;
   nlohmann::json status = nlohmann::json::array();
   std::vector<HostHolding> holdings;
   for (const auto& [step, keys] : steps) {

@@ -109,7 +109,9 @@ class ClusterSaves {
     std::map<std::string, EtcdClient::KeyValue> votes;  // by host
     std::optional<EtcdClient::KeyValue> committed;
   };
-  absl::StatusOr<std::map<int64_t, StepKeys>> ReadSaves();
+  // The keys of steps `from` and later: a beat reads only the steps it
+  // may still act on, not every step the job ever saved.
+  absl::StatusOr<std::map<int64_t, StepKeys>> ReadSaves(int64_t from = 0);
   std::string StepPrefix(int64_t step) const;
   // The vote for what this host holds of a pending step.
   absl::StatusOr<std::string> VoteFor(const PendingStep& pending);

@@ -206,14 +206,21 @@ absl::StatusOr<std::optional<EtcdClient::KeyValue>> EtcdClient::Get(
 
 absl::StatusOr<EtcdClient::Snapshot> EtcdClient::GetPrefix(
     const std::string& prefix) {
+  return GetRange(prefix, PrefixEnd(prefix));
+}
+
+absl::StatusOr<EtcdClient::Snapshot> EtcdClient::GetRange(
+    const std::string& from, const std::string& end) {
   grpc::ClientContext ctx;
   Prepare(ctx, deadline_);
   pb::RangeRequest request;
-  request.set_key(prefix);
-  request.set_range_end(PrefixEnd(prefix));
+  request.set_key(from);
+  request.set_range_end(end);
   pb::RangeResponse response;
   grpc::Status s = stubs_->kv->Range(&ctx, request, &response);
-  if (!s.ok()) return Failed(s, absl::StrCat("reading ", prefix, "*"));
+  if (!s.ok()) {
+    return Failed(s, absl::StrCat("reading keys from ", from, " to ", end));
+  }
   Snapshot snapshot;
   snapshot.revision = response.header().revision();
   for (const pb::KeyValue& kv : response.kvs()) {

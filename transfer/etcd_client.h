@@ -87,6 +87,9 @@ class EtcdClient {
   absl::StatusOr<std::optional<KeyValue>> Get(const std::string& key);
   // Every key starting with `prefix`, in key order.
   absl::StatusOr<Snapshot> GetPrefix(const std::string& prefix);
+  // Every key in [from, end), in key order.
+  absl::StatusOr<Snapshot> GetRange(const std::string& from,
+                                    const std::string& end);
   // Returns the revision of the change.
   absl::StatusOr<int64_t> PutValue(const std::string& key,
                                    const std::string& value, int64_t lease = 0);

@@ -600,6 +600,49 @@ TEST_F(PeerTest, ReadsWhileTheServingHostCommitsGetEveryByte) {
   EXPECT_GT(reads, 0);
 }
 
+// A step stored again under a config it was stored under before, now with
+// other groups held: what the host serves comes from what it holds now, not
+// from a view it cached of what it held then.
+TEST_F(PeerTest, AStepStoredAgainUnderAConfigSeenBeforeIsServedAsHeldNow) {
+  std::unique_ptr<Store> store_b = CopyStore();
+  auto server_a = StartServer();
+  auto server_b = StartServerB(*store_b);
+  ASSERT_NE(server_a, nullptr);
+  ASSERT_NE(server_b, nullptr);
+  PeerClient a_to_b = Between("a", "b", *server_b);
+  PeerClient reader = Client(*server_a);
+  const ParallelConfig x = *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=a+b");
+  const ParallelConfig y = *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=b+a");
+  const Placement p = *Placement::Create(layout_, model_, x);
+  auto store_as = [&](const ParallelConfig& config, int group) {
+    PeerBytes from_b([&] { return std::vector<PeerClient*>{&a_to_b}; });
+    Materialization::Options o;
+    o.hold = std::vector<int>{group};
+    o.remote = &from_b;
+    absl::StatusOr<Materialization> m =
+        Materialization::Write(*store_, config, o);
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE(m->Commit(*store_).ok());
+  };
+  auto read = [&](int group) {  // every tensor of the group
+    for (size_t k = 0; k < p.shards(group).size(); ++k) {
+      const int64_t bytes = p.shards(group)[k].bytes;
+      std::string got(bytes, '\0');
+      absl::StatusOr<int64_t> n = reader.ReadTensor(
+          {42, x.ToString(), group, static_cast<int>(k)}, 0, bytes, got.data());
+      ASSERT_TRUE(n.ok()) << n.status();
+      ASSERT_EQ(*n, bytes) << p.shards(group)[k].local_name;
+      // tp=2: rank r is group r.
+      ASSERT_EQ(got, DirectCut(x, group, static_cast<int>(k)));
+    }
+  };
+  store_as(x, 0);
+  read(0);  // a view of step 42 under x, holding group 0
+  store_as(y, 0);
+  store_as(x, 1);
+  read(1);
+}
+
 // A rank's extra file, saved on one host, copied into another host's store
 // (CopyExtraFile): the same bytes, checked against the saving host's sums;
 // a copy that does not match them, or of a file the host does not hold, is
