@@ -153,8 +153,10 @@ absl::Status ClusterMember::Start() {
         auto it = peers_by_name_.find(name);
         return it == peers_by_name_.end() ? nullptr : it->second.data.get();
       },
-      ClusterSaves::Options{.replicas = options_.replicas,
-                            .on_copied = [this] { BeatNow(); }});
+      ClusterSaves::Options{
+          .replicas = options_.replicas,
+          .on_copied = [this] { BeatNow(); },
+          .live = [this](const std::string& name) { return IsLive(name); }});
   RETURN_IF_ERROR(saves_->Reconcile());
   job_.SetSaveAgreement({[this](const ParallelConfig& config) {
                            return ClusterSaves::RanksOfHost(config, host_);
@@ -417,6 +419,15 @@ void ClusterMember::Beat() {
       }
     }
   }
+}
+
+bool ClusterMember::IsLive(const std::string& name) {
+  if (name == host_) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const nlohmann::json& h : hosts_) {
+    if (h.value("name", "") == name) return h.value("live", false);
+  }
+  return false;
 }
 
 std::optional<std::vector<int>> ClusterMember::HeldGroups(

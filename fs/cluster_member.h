@@ -101,6 +101,8 @@ class ClusterMember {
   // A failed materialization is started again when a peer that did not
   // answer does again.
   void RetryWhenPeerBack();
+  // Whether host `name` is live, as the last reading of etcd saw it.
+  bool IsLive(const std::string& name);
   // The groups of `config` this host holds: those of its ranks (and with
   // replicas, those of the hosts it is the next host of), or all when the
   // config names no hosts.

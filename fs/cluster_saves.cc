@@ -517,7 +517,10 @@ absl::StatusOr<bool> ClusterSaves::TryCommit(int64_t step, StepKeys& keys) {
       auto kept = votes.find(next);
       if (kept == votes.end() || !kept->second.contains("shards") ||
           !kept->second["shards"].contains(group)) {
-        return false;  // the copy is not made yet
+        // Not made yet; or never, the next host being gone: the step then
+        // commits with the copies the live hosts hold.
+        if (options_.live && !options_.live(next)) continue;
+        return false;
       }
     }
   }

@@ -64,6 +64,9 @@ class ClusterSaves {
     // Called, on the copying thread, once copies of other hosts' shards
     // are in: the next round votes for them.
     std::function<void()> on_copied;
+    // Whether host `name` is a live member of the cluster; unset: all are.
+    // A step does not wait for a copy on a host that is gone.
+    std::function<bool(const std::string& name)> live;
   };
 
   ClusterSaves(Job& job, EtcdClient& etcd, std::string host, KeyOf key,

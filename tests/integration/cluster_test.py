@@ -939,6 +939,20 @@ def replicas_kept(seed, mnts, mount, mounts, tmp):
         check_bytes(m, full, spread, LAYERS, DIVISOR)
     assert holds_of(mnts["h0"], "h1", 40) == [0, 1]
     print(f"step 40 under dp=2: h1's wrong replica refused ({error}); h1 keeps h0's copy")
+    # h1, which runs only replicas and is h0's next host, SIGKILLed: a step
+    # saved meanwhile does not wait for its copy.
+    kill_host("h1", mnts, mounts, tmp)
+    alive = {h: m for h, m in mnts.items() if h != "h1"}
+    wait_live(mnts["h0"], alive)
+    full, shards = saved_model(seed + 45, spread)
+    for h in alive:
+        save_ranks(mnts[h], 45, spread, shards, host_ranks(h, spread))
+    wait_latest(alive, 45)
+    check_bytes(mnts["h0"], full, spread, LAYERS, DIVISOR)
+    mount("h1", "--replicas", "2")
+    wait_all(mnts, spread)
+    wait_latest(mnts, 45)
+    print("step 45 saved while h1, h0's next host, was down: committed without its copy")
 
     line = "tp=2,pp=4,dp=1,hosts=h0+h1+h2+h3"
     assert write_config(mnts["h2"], line) == 0, status(mnts["h2"])
