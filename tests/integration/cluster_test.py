@@ -952,6 +952,8 @@ def replicas_kept(seed, mnts, mount, mounts, tmp):
     mount("h1", "--replicas", "2")
     wait_all(mnts, spread)
     wait_latest(mnts, 45)
+    for m in mnts.values():
+        wait_live(m, HOSTS)  # a config naming h1 is accepted only once it is
     print("step 45 saved while h1, h0's next host, was down: committed without its copy")
 
     line = "tp=2,pp=4,dp=1,hosts=h0+h1+h2+h3"
