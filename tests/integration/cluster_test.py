@@ -239,9 +239,10 @@ def main():
             print(text)
             assert "seen from h2" in text and text.count(" yes ") == 4, text
 
+            # Whether a view fetches bytes before the materialization stores
+            # them is a race; check_fetched counts both, so that a byte
+            # fetched twice fails the walk (peer_test pins the reuse itself).
             config = walk(r, mnts, full)
-            # Bytes a view had fetched were not fetched again to be stored.
-            assert any(cluster_status(m)["bytes_reused"] > 0 for m in mnts.values())
             config = refused(mnts, config)
             config = hosted(mnts, full, config)
             for _ in range(4):

@@ -193,6 +193,7 @@ TEST_F(PeerTest, CachedReadsFetchEachBlockOnceAndReturnTheCutBytes) {
                     .ok());
     EXPECT_EQ(got, DirectCut(config, 1, k).substr(bytes - tail));
     EXPECT_EQ(client.bytes_fetched(), total);
+    EXPECT_EQ(remote.bytes_reused(), tail);
     // The shard's first blocks left the cache (it keeps the last
     // cache_blocks): of a range from its start into the cached ones, only
     // the first blocks are fetched.
@@ -208,6 +209,7 @@ TEST_F(PeerTest, CachedReadsFetchEachBlockOnceAndReturnTheCutBytes) {
     EXPECT_EQ(got, DirectCut(config, 1, k).substr(0, evicted + 5));
     total += evicted;
     EXPECT_EQ(client.bytes_fetched(), total);
+    EXPECT_EQ(remote.bytes_reused(), tail + 5);
     // Step 42 committed again: nothing cached of it is used any more.
     remote.Forget(42);
     got.assign(tail, '\0');
