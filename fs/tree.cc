@@ -56,27 +56,15 @@ void Tree::SortChildren() {
 
 namespace {
 
-// Where a piece of a rank's tensor lies in the global tensor. Padding rows
-// (zero_fill) lie past the true rows, in the tensor padded for this tp: the
-// rank's local rows are rows [tp_rank * n, (tp_rank + 1) * n) of it.
-Shape GlobalOrigin(const TensorShard& s, const ShardPiece& piece, int tp_rank) {
-  if (!piece.zero_fill) return piece.global.origin();
-  Shape origin = piece.local.origin();
-  if (s.split_dim >= 0) {
-    origin[s.split_dim] += tp_rank * s.local_shape[s.split_dim];
-  }
-  return origin;
-}
-
 // A tensor's entry in rank.json: its global place, and one piece a block
 // (SwiGLU's [gate; up] cut on each block) or run of padding rows, each with
 // its offset in the local tensor, its offset in the global one and its
 // shape, so that a client can rebuild the global tensor from every rank.
-json RankJsonTensor(const TensorInfo& t, const TensorShard& s, int tp_rank) {
+json RankJsonTensor(const TensorInfo& t, const TensorShard& s) {
   json pieces = json::array();
   for (const ShardPiece& piece : s.pieces) {
     json p = {{"offset", piece.local.origin()},
-              {"global_offset", GlobalOrigin(s, piece, tp_rank)},
+              {"global_offset", piece.global.origin()},
               {"shape", piece.local.shape()}};
     if (piece.zero_fill) p["padding"] = true;
     pieces.push_back(std::move(p));
@@ -87,7 +75,7 @@ json RankJsonTensor(const TensorInfo& t, const TensorShard& s, int tp_rank) {
           {"global_shape", t.shape},
           {"global_offset", s.pieces.empty()
                                 ? Shape(t.shape.size(), 0)
-                                : GlobalOrigin(s, s.pieces.front(), tp_rank)},
+                                : s.pieces.front().global.origin()},
           {"pieces", std::move(pieces)}};
 }
 
@@ -190,7 +178,7 @@ absl::StatusOr<std::unique_ptr<Tree>> Tree::Build(const Store& store,
       for (const TensorShard& s : shards) {
         const TensorInfo& t = model.tensor(s.tensor);
         entries.push_back({s.local_name, t.dtype, s.local_shape, 0, 0});
-        tensors[s.local_name] = RankJsonTensor(t, s, c.tp_rank);
+        tensors[s.local_name] = RankJsonTensor(t, s);
       }
       ASSIGN_OR_RETURN(
           SafetensorsHeader header,

@@ -14,7 +14,7 @@ namespace scalai {
 namespace {
 
 constexpr absl::string_view kExpected =
-    "expected tp=N,pp=N,dp=N[,stages=A:B:...][,hosts=H1+H2+...]";
+    "expected tp=N,pp=N,dp=N[,fsdp=S][,stages=A:B:...][,hosts=H1+H2+...]";
 
 absl::Status ConfigError(absl::string_view text, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(
@@ -54,6 +54,7 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
   std::vector<int64_t> stages;
   bool have_stages = false;
   std::optional<std::vector<std::string>> hosts;
+  int64_t fsdp = 0;
   for (absl::string_view item : absl::StrSplit(text, ',')) {
     std::pair<absl::string_view, absl::string_view> kv =
         absl::StrSplit(item, absl::MaxSplits('=', 1));
@@ -70,6 +71,16 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
         stages.push_back(n);
       }
       continue;
+    }
+    if (key == "fsdp") {
+      if (fsdp != 0) return ConfigError(text, "fsdp given twice");
+      ASSIGN_OR_RETURN(fsdp, ParsePositive(text, key, value));
+      continue;
+    }
+    if (key == "distopt") {
+      return ConfigError(
+          text, "distopt (Megatron's distributed optimizer) is not supported "
+                "yet; save its state unsharded or as fsdp=S");
     }
     if (key == "hosts") {
       if (hosts) return ConfigError(text, "hosts given twice");
@@ -97,6 +108,8 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
   auto config =
       Create(static_cast<int>(degrees[0]), static_cast<int>(degrees[1]),
              static_cast<int>(degrees[2]), std::move(stages));
+  if (config.ok() && fsdp != 0)
+    config = config->WithFsdp(static_cast<int>(fsdp));
   if (config.ok() && hosts) config = config->WithHosts(std::move(*hosts));
   if (!config.ok()) return ConfigError(text, config.status().message());
   return config;
@@ -135,6 +148,18 @@ absl::StatusOr<ParallelConfig> ParallelConfig::WithHosts(
   }
   ParallelConfig config = *this;
   config.hosts_ = std::move(hosts);
+  return config;
+}
+
+absl::StatusOr<ParallelConfig> ParallelConfig::WithFsdp(int fsdp) const {
+  if (fsdp < 1 || dp_ % fsdp != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fsdp=", fsdp, " must divide dp=", dp_,
+                     ": each run of fsdp data-parallel ranks holds one "
+                     "whole copy of the state"));
+  }
+  ParallelConfig config = *this;
+  config.fsdp_ = fsdp;
   return config;
 }
 
@@ -190,7 +215,12 @@ int ParallelConfig::Rank(const RankCoords& c) const {
 
 int ParallelConfig::ShardGroup(int rank) const {
   RankCoords c = Coords(rank);
-  return c.pp_rank * tp_ + c.tp_rank;
+  return (c.pp_rank * tp_ + c.tp_rank) * fsdp_ + c.dp_rank % fsdp_;
+}
+
+int ParallelConfig::SaverOfGroup(int group) const {
+  const int slice = group / fsdp_;  // pp_rank * tp + tp_rank
+  return Rank({slice % tp_, group % fsdp_, slice / tp_});
 }
 
 absl::StatusOr<std::vector<int64_t>> ParallelConfig::LayersPerStage(
@@ -216,6 +246,7 @@ absl::StatusOr<std::vector<int64_t>> ParallelConfig::LayersPerStage(
 
 std::string ParallelConfig::ToString() const {
   std::string out = absl::StrCat("tp=", tp_, ",pp=", pp_, ",dp=", dp_);
+  if (fsdp_ > 1) absl::StrAppend(&out, ",fsdp=", fsdp_);
   if (!stages_.empty())
     absl::StrAppend(&out, ",stages=", absl::StrJoin(stages_, ":"));
   if (!hosts_.empty())

@@ -1,11 +1,13 @@
 // A ParallelConfig is a job's tensor/pipeline/data parallel degrees, with an
+// optional sharding of its state across data-parallel ranks (fsdp=S), an
 // optional explicit split of layers over pipeline stages and, for a job that
 // spans hosts, the hosts that run it. Ranks are numbered in Megatron order:
 // tp varies fastest, then dp, then pp; host i of H runs the contiguous block
 // of ranks [i*W/H, (i+1)*W/H), as launchers number them.
 //
-//   ASSIGN_OR_RETURN(auto c, ParallelConfig::Parse("tp=2,pp=2,dp=4"));
+//   ASSIGN_OR_RETURN(auto c, ParallelConfig::Parse("tp=2,pp=2,dp=4,fsdp=2"));
 //   RankCoords rc = c.Coords(5);  // tp_rank 1, dp_rank 2, pp_rank 0
+//   int g = c.ShardGroup(5);      // (tp 1, pp 0, chunk 0): 2
 //   ASSIGN_OR_RETURN(std::vector<int64_t> layers, c.LayersPerStage(24));
 #ifndef SCALAI_PTC_PARALLEL_CONFIG_H_
 #define SCALAI_PTC_PARALLEL_CONFIG_H_
@@ -37,8 +39,9 @@ class ParallelConfig {
   // allocated for it.
   static constexpr int64_t kMaxWorldSize = int64_t{1} << 16;
 
-  // Parses "tp=2,pp=4,dp=8", optionally with ",stages=6:6:6:6" and
-  // ",hosts=h0+h1". Keys may come in any order; tp, pp and dp are required.
+  // Parses "tp=2,pp=4,dp=8", optionally with ",fsdp=4", ",stages=6:6:6:6"
+  // and ",hosts=h0+h1". Keys may come in any order; tp, pp and dp are
+  // required.
   // Surrounding whitespace (the newline of `echo`) is ignored.
   static absl::StatusOr<ParallelConfig> Parse(absl::string_view text);
 
@@ -50,6 +53,13 @@ class ParallelConfig {
   int pp() const { return pp_; }
   int dp() const { return dp_; }
   int world_size() const { return tp_ * pp_ * dp_; }
+  // Into how many chunks every tensor is cut on dimension 0 after its
+  // tensor-parallel split (FSDP, ZeRO-3, HSDP): data-parallel rank d holds
+  // chunk d % fsdp(). 1 (the default) when dp ranks hold whole replicas.
+  int fsdp() const { return fsdp_; }
+  // The same config with its state sharded across runs of `fsdp`
+  // consecutive dp ranks; fsdp must divide dp.
+  absl::StatusOr<ParallelConfig> WithFsdp(int fsdp) const;
   // Explicit layers per stage, or empty for the default split.
   const std::vector<int64_t>& stages() const { return stages_; }
   // The hosts that run the job, in order, or empty: every rank on one host.
@@ -67,17 +77,28 @@ class ParallelConfig {
   RankCoords Coords(int rank) const;
   int Rank(const RankCoords& coords) const;
 
-  // Ranks with the same (tp_rank, pp_rank) hold the same model shard; this
-  // numbers those groups 0..tp*pp-1 as pp_rank * tp + tp_rank.
+  // Ranks with the same (tp_rank, pp_rank, dp_rank % fsdp) hold the same
+  // model shard; this numbers those groups 0..tp*pp*fsdp-1 as
+  // (pp_rank * tp + tp_rank) * fsdp + dp_rank % fsdp (without fsdp, the
+  // number stores have always used).
   int ShardGroup(int rank) const;
-  int num_shard_groups() const { return tp_ * pp_; }
+  int num_shard_groups() const { return tp_ * pp_ * fsdp_; }
+  // The chunk (dp_rank % fsdp) the ranks of `group` hold.
+  int ChunkOfGroup(int group) const { return group % fsdp_; }
+  // The rank that saves `group`'s shard: the one of the first run of
+  // data-parallel ranks (dp_rank < fsdp).
+  int SaverOfGroup(int group) const;
+  // Whether `rank` saves its group's shard (dp_rank < fsdp); the others
+  // hold replicas of a saver's shard.
+  bool SavesShard(int rank) const { return Coords(rank).dp_rank < fsdp_; }
 
   // Layers held by each pipeline stage for a model of `num_layers` layers:
   // the explicit stages when given (checked against num_layers), else as even
   // as possible with earlier stages taking the remainder.
   absl::StatusOr<std::vector<int64_t>> LayersPerStage(int64_t num_layers) const;
 
-  // "tp=2,pp=4,dp=8" (with ",stages=..." and ",hosts=..." when given).
+  // "tp=2,pp=4,dp=8" (with ",fsdp=...", ",stages=..." and ",hosts=..."
+  // when given; fsdp=1 is the default and never written).
   std::string ToString() const;
 
   friend bool operator==(const ParallelConfig&,
@@ -91,6 +112,7 @@ class ParallelConfig {
   int tp_ = 1;
   int pp_ = 1;
   int dp_ = 1;
+  int fsdp_ = 1;
   std::vector<int64_t> stages_;
   std::vector<std::string> hosts_;
 };

@@ -63,7 +63,10 @@ absl::StatusOr<SplitResult> SplitTensor(const TensorInfo& t,
     int64_t data = std::max<int64_t>(
         0, std::min(extent, begin + out.local_extent) - begin);
     if (data > 0) piece(0, begin, data, false);
-    if (data < out.local_extent) piece(data, 0, out.local_extent - data, true);
+    // Padding's global box lies past the true rows, in the tensor as padded
+    // for this tp.
+    if (data < out.local_extent)
+      piece(data, begin + data, out.local_extent - data, true);
     return out;
   }
   if (extent % rule.blocks != 0) {
@@ -86,6 +89,39 @@ absl::StatusOr<SplitResult> SplitTensor(const TensorInfo& t,
     piece(b * part, b * block + tp_rank * part, part, false);
   }
   out.local_extent = part * rule.blocks;
+  return out;
+}
+
+// Chunk `chunk` of `fsdp` of a tensor-parallel shard, cut on dimension 0 by
+// torch.chunk's rule: chunks of ceil(rows / fsdp) rows, the last ones
+// smaller or empty. A scalar has no rows to cut: every chunk holds it whole.
+absl::StatusOr<TensorShard> ChunkOf(const TensorShard& shard, DType dtype,
+                                    int fsdp, int chunk) {
+  if (fsdp == 1 || shard.local_shape.empty()) return shard;
+  const int64_t rows = shard.local_shape[0];
+  const int64_t per = (rows + fsdp - 1) / fsdp;
+  const int64_t begin = std::min(rows, chunk * per);
+  const int64_t end = std::min(rows, begin + per);
+  TensorShard out = shard;
+  out.local_shape[0] = end - begin;
+  out.pieces.clear();
+  Shape origin(shard.local_shape.size(), 0);
+  origin[0] = begin;
+  Shape extent = shard.local_shape;
+  extent[0] = end - begin;
+  const Box rows_held(origin, extent);
+  for (const ShardPiece& piece : shard.pieces) {
+    const Box common = Intersect(piece.local, rows_held);
+    if (common.empty()) continue;
+    Shape local = common.origin(), global = piece.global.origin();
+    for (int d = 0; d < common.rank(); ++d)
+      global[d] += common.begin(d) - piece.local.begin(d);
+    local[0] -= begin;
+    out.pieces.push_back({Box(std::move(local), common.shape()),
+                          Box(std::move(global), common.shape()),
+                          piece.zero_fill});
+  }
+  ASSIGN_OR_RETURN(out.bytes, TensorBytes(out.local_shape, dtype));
   return out;
 }
 
@@ -203,28 +239,32 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
         shard.pieces = std::move(split.pieces);
         ASSIGN_OR_RETURN(shard.bytes, TensorBytes(shard.local_shape, t.dtype));
       }
-      TiedCopy copy;
-      for (int s = first_stage; s <= last_stage; ++s) {
-        if ((rule.stage == StagePolicy::kFirstAndLast || tied_input) &&
-            !tr.layer && s != first_stage && s != last_stage) {
-          continue;
+      for (int chunk = 0; chunk < config.fsdp(); ++chunk) {
+        ASSIGN_OR_RETURN(TensorShard held,
+                         ChunkOf(shard, t.dtype, config.fsdp(), chunk));
+        TiedCopy copy;
+        for (int s = first_stage; s <= last_stage; ++s) {
+          if ((rule.stage == StagePolicy::kFirstAndLast || tied_input) &&
+              !tr.layer && s != first_stage && s != last_stage) {
+            continue;
+          }
+          const int group = (s * config.tp() + tp_rank) * config.fsdp() + chunk;
+          Group& g = p.groups_[group];
+          ASSIGN_OR_RETURN(g.bytes, CheckedAdd(g.bytes, held.bytes));
+          g.shards.push_back(held);
+          // Shards are appended in model order and never move.
+          const int index = static_cast<int>(g.shards.size()) - 1;
+          if (tied_input && s == first_stage) {
+            copy.input_group = group;
+            copy.input_shard = index;
+          } else if (tied_input && s == last_stage) {
+            g.shards.back().local_name = tie->output;
+            copy.output_group = group;
+            copy.output_shard = index;
+          }
         }
-        const int group = s * config.tp() + tp_rank;
-        Group& g = p.groups_[group];
-        ASSIGN_OR_RETURN(g.bytes, CheckedAdd(g.bytes, shard.bytes));
-        g.shards.push_back(shard);
-        // Shards are appended in model order and never move.
-        const int index = static_cast<int>(g.shards.size()) - 1;
-        if (tied_input && s == first_stage) {
-          copy.input_group = group;
-          copy.input_shard = index;
-        } else if (tied_input && s == last_stage) {
-          g.shards.back().local_name = tie->output;
-          copy.output_group = group;
-          copy.output_shard = index;
-        }
+        if (tied_input) p.tied_copies_.push_back(copy);
       }
-      if (tied_input) p.tied_copies_.push_back(copy);
     }
   }
   return p;

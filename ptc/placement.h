@@ -1,7 +1,8 @@
 // A Placement says, for a model, a layout and a parallel config, which box of
 // which global tensor every rank holds and under which local name and shape.
-// Ranks with the same (tp_rank, pp_rank) hold identical shards, so shards are
-// kept per shard group (ParallelConfig::ShardGroup), not per rank.
+// Ranks with the same (tp_rank, pp_rank) hold identical shards (with fsdp=S,
+// those with the same (tp_rank, pp_rank, dp_rank % S)), so shards are kept
+// per shard group (ParallelConfig::ShardGroup), not per rank.
 //
 //   ASSIGN_OR_RETURN(Placement p, Placement::Create(layout, model, config));
 //   for (const TensorShard& s : p.shards(config.ShardGroup(rank))) ...
@@ -26,7 +27,9 @@ namespace scalai {
 // global tensor in `global` (same shape), or zeros for vocab padding.
 struct ShardPiece {
   Box local;
-  Box global;  // meaningless when zero_fill
+  // With zero_fill: where the padding lies in the tensor as padded for the
+  // config's tp (past the true rows), which no other shard holds.
+  Box global;
   bool zero_fill = false;
 };
 
@@ -35,9 +38,10 @@ struct TensorShard {
   int tensor = 0;  // index in the model
   std::string local_name;
   Shape local_shape;
-  int split_dim = -1;  // -1 when every rank holds the whole tensor
-  // Ordered by local position along split_dim; together they tile the local
-  // tensor exactly once.
+  int split_dim = -1;  // -1 when every tp rank holds the whole tensor
+  // Ordered by local position (along split_dim, then dimension 0); together
+  // they tile the local tensor exactly once. With fsdp, the tp shard's
+  // pieces cut to the chunk's rows: none for an empty chunk.
   std::vector<ShardPiece> pieces;
   int64_t bytes = 0;
 };

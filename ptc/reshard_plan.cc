@@ -11,11 +11,10 @@
 namespace scalai {
 namespace {
 
-// A stretch of a tensor along its split dimension that the old shards hold,
-// with every shard piece holding exactly that stretch.
-struct SourceInterval {
-  int64_t begin = 0;
-  int64_t end = 0;
+// A box of a tensor that old shards hold, with every shard piece holding
+// exactly that box.
+struct SourceBox {
+  Box box;
   struct Holder {
     ShardRef shard;
     int piece = 0;
@@ -23,17 +22,55 @@ struct SourceInterval {
   std::vector<Holder> holders;
 };
 
-// The interval index of one tensor: sorted, disjoint intervals along `dim`
-// (dim -1: the whole tensor is one interval [0, 1)). Lookups are a binary
-// search, which keeps planning near-linear in the number of pieces.
-struct TensorIndex {
-  int dim = -1;
-  std::vector<SourceInterval> intervals;
+// A stretch of rows (dimension 0) of a tensor, and the boxes that tile it,
+// sorted along the tensor's inner dimension.
+struct SourceBand {
+  int64_t begin = 0;
+  int64_t end = 0;
+  std::vector<SourceBox> boxes;
 };
 
+// The index of one tensor's old pieces. In one placement, two pieces of a
+// tensor hold the same rows or disjoint rows (tp may cut dimension 0, fsdp
+// cuts the rows of every tp shard alike), and within a stretch of rows they
+// differ only along the tp split dimension. So the index is sorted,
+// disjoint bands of rows, each holding sorted, disjoint boxes along `inner`
+// (the split dimension when it is not 0, else -1: one box per band).
+// Lookups are binary searches, which keeps planning near-linear in the
+// number of pieces.
+struct TensorIndex {
+  int inner = -1;
+  std::vector<SourceBand> bands;
+};
+
+// The extent of `box` along `dim`; [0, 1) for dim -1 or a scalar's rows.
 std::pair<int64_t, int64_t> Span(const Box& box, int dim) {
-  if (dim < 0) return {0, 1};
+  if (dim < 0 || dim >= box.rank()) return {0, 1};
   return {box.begin(dim), box.end(dim)};
+}
+
+// Sorts by (begin, end) and merges equal spans into one entry; a partial
+// overlap is an internal error naming `tensor`.
+template <typename T, typename SpanOf, typename Merge>
+absl::Status SortAndMerge(std::vector<T>& items, const std::string& tensor,
+                          SpanOf span, Merge merge) {
+  std::sort(items.begin(), items.end(), [&](const T& a, const T& b) {
+    return span(a) < span(b);
+  });
+  std::vector<T> merged;
+  for (T& item : items) {
+    if (!merged.empty() && span(merged.back()) == span(item)) {
+      merge(merged.back(), item);
+      continue;
+    }
+    if (!merged.empty() && span(merged.back()).second > span(item).first) {
+      return absl::InternalError(
+          absl::StrCat("tensor ", tensor, ": old shards overlap partially"));
+    }
+    merged.push_back(std::move(item));
+  }
+  items = std::move(merged);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<TensorIndex>> BuildIndex(const Placement& from) {
@@ -44,36 +81,43 @@ absl::StatusOr<std::vector<TensorIndex>> BuildIndex(const Placement& from) {
     for (int k = 0; k < static_cast<int>(shards.size()); ++k) {
       const TensorShard& s = shards[k];
       TensorIndex& ti = index[s.tensor];
-      ti.dim = s.split_dim;
+      ti.inner = s.split_dim > 0 ? s.split_dim : -1;
       for (int p = 0; p < static_cast<int>(s.pieces.size()); ++p) {
-        if (s.pieces[p].zero_fill) continue;
-        auto [b, e] = Span(s.pieces[p].global, s.split_dim);
-        ti.intervals.push_back({b, e, {{ShardRef{g, k}, p}}});
+        const ShardPiece& piece = s.pieces[p];
+        if (piece.zero_fill) continue;
+        auto [b, e] = Span(piece.global, 0);
+        ti.bands.push_back(
+            {b, e, {{piece.global, {{ShardRef{g, k}, p}}}}});
       }
     }
   }
   for (int t = 0; t < model.size(); ++t) {
-    std::vector<SourceInterval>& iv = index[t].intervals;
-    std::sort(iv.begin(), iv.end(),
-              [](const SourceInterval& a, const SourceInterval& b) {
-                return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-              });
-    std::vector<SourceInterval> merged;
-    for (SourceInterval& i : iv) {
-      if (!merged.empty() && merged.back().begin == i.begin &&
-          merged.back().end == i.end) {
-        merged.back().holders.push_back(i.holders.front());
-        continue;
-      }
-      if (!merged.empty() && merged.back().end > i.begin) {
-        return absl::InternalError(absl::StrCat(
-            "tensor ", model.tensor(t).name, ": old shards overlap partially"));
-      }
-      merged.push_back(std::move(i));
+    const std::string& name = model.tensor(t).name;
+    TensorIndex& ti = index[t];
+    RETURN_IF_ERROR(SortAndMerge(
+        ti.bands, name,
+        [](const SourceBand& b) { return std::make_pair(b.begin, b.end); },
+        [](SourceBand& into, SourceBand& b) {
+          for (SourceBox& x : b.boxes) into.boxes.push_back(std::move(x));
+        }));
+    for (SourceBand& band : ti.bands) {
+      RETURN_IF_ERROR(SortAndMerge(
+          band.boxes, name,
+          [&](const SourceBox& x) { return Span(x.box, ti.inner); },
+          [](SourceBox& into, SourceBox& x) {
+            into.holders.push_back(x.holders.front());
+          }));
     }
-    iv = std::move(merged);
   }
   return index;
+}
+
+// The bands of `ti` that meet rows [b, e), as a range of iterators.
+std::vector<SourceBand>::const_iterator FirstBandFrom(const TensorIndex& ti,
+                                                      int64_t b) {
+  return std::upper_bound(
+      ti.bands.begin(), ti.bands.end(), b,
+      [](int64_t v, const SourceBand& band) { return v < band.end; });
 }
 
 bool SamePieces(const TensorShard& a, const TensorShard& b) {
@@ -106,13 +150,16 @@ ShardRef FindIdentical(const Placement& from, const TensorIndex& ti,
   };
   for (const ShardPiece& piece : dst.pieces) {
     if (piece.zero_fill) continue;
-    // Candidates hold the first data piece's interval exactly.
-    int64_t b = Span(piece.global, ti.dim).first;
-    auto it = std::lower_bound(
-        ti.intervals.begin(), ti.intervals.end(), b,
-        [](const SourceInterval& i, int64_t v) { return i.begin < v; });
-    if (it != ti.intervals.end() && it->begin == b) {
-      for (const SourceInterval::Holder& h : it->holders) consider(h.shard);
+    // Candidates hold the first data piece's box exactly.
+    auto band = FirstBandFrom(ti, Span(piece.global, 0).first);
+    if (band == ti.bands.end()) return found;
+    const auto inner = Span(piece.global, ti.inner);
+    auto it = std::lower_bound(band->boxes.begin(), band->boxes.end(), inner,
+                               [&](const SourceBox& x, auto v) {
+                                 return Span(x.box, ti.inner) < v;
+                               });
+    if (it != band->boxes.end() && it->box == piece.global) {
+      for (const SourceBox::Holder& h : it->holders) consider(h.shard);
     }
     return found;
   }
@@ -167,9 +214,9 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
   // The first destination shard of each kind, by tensor (first_identical).
   std::vector<std::vector<ShardRef>> seen(model.size());
   for (int g = 0; g < to->num_groups(); ++g) {
-    // Prefer the old shard group of the same-numbered rank (dp_rank 0 of this
-    // group): its bytes are already where they are needed.
-    const int first_rank = cto.Rank({g % cto.tp(), 0, g / cto.tp()});
+    // Prefer the old shard group of the same-numbered rank (the one that
+    // saves this group): its bytes are already where they are needed.
+    const int first_rank = cto.SaverOfGroup(g);
     const int preferred =
         first_rank < cfrom.world_size() ? cfrom.ShardGroup(first_rank) : -1;
     const SourceRank rank = [&](int group) {
@@ -191,30 +238,45 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
           ops.push_back({piece.local, ShardRef{}, {}});
           continue;
         }
-        auto [b, e] = Span(piece.global, ti.dim);
-        auto it = std::upper_bound(
-            ti.intervals.begin(), ti.intervals.end(), b,
-            [](int64_t v, const SourceInterval& i) { return v < i.end; });
+        // Every band of rows the piece meets, and in each every box along
+        // the inner dimension, must follow the last without a gap.
+        auto [b, e] = Span(piece.global, 0);
+        auto [ib, ie] = Span(piece.global, ti.inner);
         int64_t covered = b;
-        for (; it != ti.intervals.end() && it->begin < e; ++it) {
-          if (it->begin > covered) break;  // a gap: reported below
-          const SourceInterval::Holder* h = &it->holders.front();
-          for (const SourceInterval::Holder& cand : it->holders) {
-            if (rank(cand.shard.group) > rank(h->shard.group)) h = &cand;
+        bool gap = false;
+        for (auto band = FirstBandFrom(ti, b);
+             band != ti.bands.end() && band->begin < e && !gap; ++band) {
+          if (band->begin > covered) break;
+          auto it = std::upper_bound(
+              band->boxes.begin(), band->boxes.end(), ib,
+              [&](int64_t v, const SourceBox& x) {
+                return v < Span(x.box, ti.inner).second;
+              });
+          int64_t inner_covered = ib;
+          for (; it != band->boxes.end() &&
+                 Span(it->box, ti.inner).first < ie;
+               ++it) {
+            if (Span(it->box, ti.inner).first > inner_covered) break;
+            const SourceBox::Holder* h = &it->holders.front();
+            for (const SourceBox::Holder& cand : it->holders) {
+              if (rank(cand.shard.group) > rank(h->shard.group)) h = &cand;
+            }
+            const ShardPiece& sp =
+                from->shards(h->shard.group)[h->shard.shard].pieces[h->piece];
+            Box common = Intersect(piece.global, sp.global);
+            Shape dst_origin = common.origin(), src_origin = common.origin();
+            for (int d = 0; d < common.rank(); ++d) {
+              dst_origin[d] += piece.local.begin(d) - piece.global.begin(d);
+              src_origin[d] += sp.local.begin(d) - sp.global.begin(d);
+            }
+            ops.push_back({Box(std::move(dst_origin), common.shape()),
+                           h->shard, std::move(src_origin)});
+            inner_covered = Span(it->box, ti.inner).second;
           }
-          const ShardPiece& sp =
-              from->shards(h->shard.group)[h->shard.shard].pieces[h->piece];
-          Box common = Intersect(piece.global, sp.global);
-          Shape dst_origin = common.origin(), src_origin = common.origin();
-          for (int d = 0; d < common.rank(); ++d) {
-            dst_origin[d] += piece.local.begin(d) - piece.global.begin(d);
-            src_origin[d] += sp.local.begin(d) - sp.global.begin(d);
-          }
-          ops.push_back({Box(std::move(dst_origin), common.shape()), h->shard,
-                         std::move(src_origin)});
-          covered = it->end;
+          if (inner_covered < ie) gap = true;
+          covered = band->end;
         }
-        if (covered < e) {
+        if (gap || covered < e) {
           return absl::InvalidArgumentError(
               absl::StrCat("tensor ", model.tensor(dst.tensor).name,
                            ": no old shard holds ", piece.global.ToString()));
