@@ -86,7 +86,33 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"tp=2,pp=1,dp=1,hosts=a++b", "host name \"\""},
         BadConfig{"tp=2,pp=1,dp=1,hosts=", "host name \"\""},
         BadConfig{"tp=2,pp=1,dp=1,hosts=a,hosts=b", "hosts given twice"},
-        BadConfig{"tp=2,pp=1,dp=1,hosts=a b", "host name \"a b\""}));
+        BadConfig{"tp=2,pp=1,dp=1,hosts=a b", "host name \"a b\""},
+        BadConfig{"tp=1,pp=1,dp=6,fsdp=4", "fsdp=4 must divide dp=6"},
+        BadConfig{"tp=1,pp=1,dp=4,fsdp=0", "fsdp=0 must be at least 1"},
+        BadConfig{"tp=1,pp=1,dp=4,fsdp=2,fsdp=2", "fsdp given twice"},
+        BadConfig{"tp=1,pp=1,dp=4,distopt=1", "distopt"}));
+
+TEST(ParallelConfig, FsdpGroupsRanksByChunkAndTheFirstRunSaves) {
+  auto c = ParallelConfig::Parse("tp=2,pp=2,dp=4,fsdp=2");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->fsdp(), 2);
+  EXPECT_EQ(c->ToString(), "tp=2,pp=2,dp=4,fsdp=2");
+  EXPECT_EQ(*ParallelConfig::Parse(c->ToString()), *c);
+  EXPECT_EQ(c->num_shard_groups(), 8);
+  // Rank 5: tp_rank 1, dp_rank 2 (chunk 0), pp_rank 0; rank 7: dp_rank 3
+  // (chunk 1). dp ranks 0 and 2 hold the same chunk.
+  EXPECT_EQ(c->ShardGroup(5), 2);
+  EXPECT_EQ(c->ShardGroup(7), 3);
+  EXPECT_EQ(c->ShardGroup(1), c->ShardGroup(5));
+  EXPECT_EQ(c->SaverOfGroup(2), 1);
+  EXPECT_EQ(c->SaverOfGroup(3), 3);
+  EXPECT_TRUE(c->SavesShard(3));
+  EXPECT_FALSE(c->SavesShard(5));
+  EXPECT_EQ(c->ChunkOfGroup(3), 1);
+  // fsdp=1 is the default: replicas, written as such.
+  EXPECT_EQ(ParallelConfig::Parse("tp=2,pp=2,dp=4,fsdp=1")->ToString(),
+            "tp=2,pp=2,dp=4");
+}
 
 TEST(ParallelConfig, MegatronRankOrder) {
   auto c = *ParallelConfig::Parse("tp=2,pp=3,dp=4");

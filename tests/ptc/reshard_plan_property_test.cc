@@ -1,8 +1,8 @@
 // Property tests of placements and reshard plans over random models, layouts
 // and configs. The oracle below re-derives every shard from docs/reference.md by
-// itself (which dims split, blocks, vocab padding, stages, local names) and
-// cuts it from random full tensors; the plan under test must turn the shards
-// of config A into exactly the oracle's shards of config B.
+// itself (which dims split, blocks, vocab padding, stages, local names, fsdp
+// chunks) and cuts it from random full tensors; the plan under test must turn
+// the shards of config A into exactly the oracle's shards of config B.
 #include <algorithm>
 #include <cstring>
 #include <map>
@@ -118,7 +118,8 @@ Scenario RandomScenario(std::mt19937_64& rng) {
   return s;
 }
 
-// A random config; explicit uneven stages now and then.
+// A random config; explicit uneven stages now and then, and half the time
+// its state sharded across a divisor of dp (fsdp).
 ParallelConfig RandomConfig(std::mt19937_64& rng, int64_t layers) {
   static const int kTp[] = {1, 2, 3, 4, 6, 8, 16};
   int tp = kTp[rng() % 7];
@@ -129,7 +130,15 @@ ParallelConfig RandomConfig(std::mt19937_64& rng, int64_t layers) {
     stages.assign(pp, 1);
     for (int64_t extra = layers - pp; extra > 0; --extra) ++stages[rng() % pp];
   }
-  return *ParallelConfig::Create(tp, pp, dp, stages);
+  ParallelConfig c = *ParallelConfig::Create(tp, pp, dp, stages);
+  if (rng() % 2) {
+    std::vector<int> divisors;
+    for (int d = 1; d <= dp; ++d) {
+      if (dp % d == 0) divisors.push_back(d);
+    }
+    c = *c.WithFsdp(divisors[rng() % divisors.size()]);
+  }
+  return c;
 }
 
 // The oracle's view of one tensor on one tp rank: for each local index along
@@ -155,29 +164,65 @@ std::vector<int64_t> OracleRows(const TensorInfo& t, const OracleRule& r,
   return rows;
 }
 
-Bytes OracleCut(const Bytes& full, const TensorInfo& t, const OracleRule& r,
-                const std::vector<int64_t>& rows) {
-  if (r.split < 0) return full;
-  const int64_t elem = DTypeSize(t.dtype);
-  int64_t outer = 1, inner = elem;
+// The oracle's tp shard of one tensor as element numbers: for each local
+// element in row-major order, the global element (row-major number) it
+// holds, or -1 for padding.
+std::vector<int64_t> OracleElements(const TensorInfo& t, const OracleRule& r,
+                                    const std::vector<int64_t>& rows) {
+  const int64_t total = *NumElements(t.shape);
+  std::vector<int64_t> out;
+  if (r.split < 0) {
+    out.resize(total);
+    std::iota(out.begin(), out.end(), 0);
+    return out;
+  }
+  int64_t outer = 1, inner = 1;
   for (int d = 0; d < r.split; ++d) outer *= t.shape[d];
   for (size_t d = r.split + 1; d < t.shape.size(); ++d) inner *= t.shape[d];
   const int64_t n = static_cast<int64_t>(rows.size());
-  Bytes out(outer * n * inner, std::byte{0});
   for (int64_t o = 0; o < outer; ++o) {
     for (int64_t i = 0; i < n; ++i) {
-      if (rows[i] < 0) continue;
-      std::memcpy(&out[(o * n + i) * inner],
-                  &full[(o * t.shape[r.split] + rows[i]) * inner], inner);
+      for (int64_t k = 0; k < inner; ++k) {
+        out.push_back(rows[i] < 0
+                          ? -1
+                          : (o * t.shape[r.split] + rows[i]) * inner + k);
+      }
     }
   }
   return out;
 }
 
-// The oracle's shard group: local name -> (tensor index, bytes).
+// FSDP's chunk `chunk` of `fsdp` of a tp shard of `rows` rows (dimension
+// 0), by torch.chunk: ceil(rows / fsdp) rows each, the last ones smaller or
+// empty. A scalar is held whole by every chunk.
+std::vector<int64_t> OracleChunk(const std::vector<int64_t>& elements,
+                                 int64_t rows, bool scalar, int fsdp,
+                                 int chunk) {
+  if (scalar || fsdp == 1) return elements;
+  const int64_t per_row =
+      rows == 0 ? 0 : static_cast<int64_t>(elements.size()) / rows;
+  const int64_t size = (rows + fsdp - 1) / fsdp;
+  const int64_t begin = std::min(rows, chunk * size);
+  const int64_t end = std::min(rows, begin + size);
+  return std::vector<int64_t>(elements.begin() + begin * per_row,
+                              elements.begin() + end * per_row);
+}
+
+Bytes OracleGather(const Bytes& full, const TensorInfo& t,
+                   const std::vector<int64_t>& elements) {
+  const int64_t elem = DTypeSize(t.dtype);
+  Bytes out(elements.size() * elem, std::byte{0});
+  for (size_t i = 0; i < elements.size(); ++i) {
+    if (elements[i] >= 0)
+      std::memcpy(&out[i * elem], &full[elements[i] * elem], elem);
+  }
+  return out;
+}
+
+// The oracle's shard group: local name -> (tensor index, elements, bytes).
 struct OracleShard {
   int tensor;
-  std::vector<int64_t> rows;
+  std::vector<int64_t> elements;
   Bytes bytes;
 };
 using OracleGroup = std::map<std::string, OracleShard>;
@@ -194,7 +239,10 @@ std::vector<OracleGroup> OracleGroups(const Scenario& s,
   std::regex layer_re(s.layout_name == "hf-llama"
                           ? "model\\.layers\\.(\\d+)\\."
                           : "decoder\\.layers\\.(\\d+)\\.");
-  std::vector<OracleGroup> groups(c.tp() * c.pp());
+  // Group (stage * tp + tp_rank) * fsdp + chunk, as
+  // ParallelConfig::ShardGroup numbers them (checked against it below).
+  const int fsdp = c.fsdp();
+  std::vector<OracleGroup> groups(c.tp() * c.pp() * fsdp);
   for (int i = 0; i < s.model->size(); ++i) {
     const TensorInfo& t = s.model->tensor(i);
     OracleRule r = OracleFor(t.name, s.gated);
@@ -220,8 +268,18 @@ std::vector<OracleGroup> OracleGroups(const Scenario& s,
       for (int tr = 0; tr < c.tp(); ++tr) {
         std::vector<int64_t> rows =
             OracleRows(t, r, s.vocab_divisor, c.tp(), tr);
-        groups[stage * c.tp() + tr][local] = {i, rows,
-                                              OracleCut(s.full[i], t, r, rows)};
+        const std::vector<int64_t> elements = OracleElements(t, r, rows);
+        const int64_t local_rows =
+            t.shape.empty() ? 1
+                            : (r.split == 0 ? static_cast<int64_t>(rows.size())
+                                            : t.shape[0]);
+        for (int chunk = 0; chunk < fsdp; ++chunk) {
+          std::vector<int64_t> held = OracleChunk(
+              elements, local_rows, t.shape.empty(), fsdp, chunk);
+          Bytes bytes = OracleGather(s.full[i], t, held);
+          groups[(stage * c.tp() + tr) * fsdp + chunk][local] = {
+              i, std::move(held), std::move(bytes)};
+        }
       }
     }
   }
@@ -348,25 +406,17 @@ int64_t OracleKept(const Scenario& s, const std::vector<OracleGroup>& a, int ga,
   int64_t kept = 0;
   for (const auto& [name, shard] : b[gb]) {
     const TensorInfo& t = s.model->tensor(shard.tensor);
-    const int64_t bytes = static_cast<int64_t>(shard.bytes.size());
-    OracleRule r = OracleFor(t.name, s.gated);
-    if (r.split < 0) {
-      if (ga >= 0) {
-        for (const auto& [n2, old] : a[ga])
-          kept += old.tensor == shard.tensor ? bytes : 0;
-      }
-      continue;
-    }
-    const int64_t per_row = bytes / static_cast<int64_t>(shard.rows.size());
-    std::set<int64_t> held;
+    std::vector<bool> held(*NumElements(t.shape), false);
     if (ga >= 0) {
       for (const auto& [n2, old] : a[ga]) {
-        if (old.tensor == shard.tensor)
-          held.insert(old.rows.begin(), old.rows.end());
+        if (old.tensor != shard.tensor) continue;
+        for (int64_t e : old.elements) {
+          if (e >= 0) held[e] = true;
+        }
       }
     }
-    for (int64_t row : shard.rows)
-      kept += (row < 0 || held.count(row)) ? per_row : 0;
+    for (int64_t e : shard.elements)
+      kept += (e < 0 || held[e]) ? DTypeSize(t.dtype) : 0;
   }
   return kept;
 }
@@ -391,6 +441,21 @@ TEST_P(ReshardPlanProperty, PlanTurnsShardsOfAIntoShardsOfBAndBack) {
                             ca.ToString(), " -> ", cb.ToString(),
                             " divisor=", s.vocab_divisor, " gated=", s.gated));
   std::vector<OracleGroup> oa = OracleGroups(s, ca), ob = OracleGroups(s, cb);
+  // Ranks share a group exactly when they share (tp_rank, pp_rank,
+  // dp_rank % fsdp), numbered as the oracle numbers its groups.
+  for (const ParallelConfig& c : {ca, cb}) {
+    for (int r = 0; r < c.world_size(); ++r) {
+      const int tp_rank = r % c.tp(), dp_rank = r / c.tp() % c.dp(),
+                pp_rank = r / (c.tp() * c.dp());
+      ASSERT_EQ(c.ShardGroup(r),
+                (pp_rank * c.tp() + tp_rank) * c.fsdp() + dp_rank % c.fsdp())
+          << c.ToString() << " rank " << r;
+      EXPECT_EQ(c.SavesShard(r), dp_rank < c.fsdp());
+      if (c.SavesShard(r)) {
+        EXPECT_EQ(c.SaverOfGroup(c.ShardGroup(r)), r);
+      }
+    }
+  }
   ExpectPlacementMatches(*pa, oa);
   ExpectPlacementMatches(*pb, ob);
   if (HasFatalFailure()) return;
@@ -480,6 +545,9 @@ TEST(ReshardPlan, PureDataParallelChangeMovesNothing) {
     if (!pa.ok()) continue;
     auto b =
         *ParallelConfig::Create(a.tp(), a.pp(), a.dp() % 16 + 1, a.stages());
+    // Under fsdp, the runs that hold one copy each stay as they were.
+    if (b.dp() % a.fsdp() != 0) continue;
+    b = *b.WithFsdp(a.fsdp());
     auto pb = Placement::Create(s.layout, s.model, b);
     ASSERT_TRUE(pb.ok()) << pb.status();
     SCOPED_TRACE(a.ToString() + " -> " + b.ToString());
