@@ -80,7 +80,7 @@ absl::Status FillFrom(PeerClient& peer, const Layout& layout,
     std::filesystem::remove_all(staging, ignored);
   };
   for (int rank = 0; rank < config.world_size(); ++rank) {
-    if (config.Coords(rank).dp_rank != 0) continue;
+    if (!config.SavesShard(rank)) continue;
     const std::string rank_dir = absl::StrFormat("rank-%05d", rank);
     const std::string path =
         absl::StrFormat("ckpt/step-%08d/%s/model.safetensors", step, rank_dir);

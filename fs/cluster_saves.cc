@@ -53,14 +53,9 @@ absl::StatusOr<StepRecord> StepFromJson(int64_t step, const std::string& value,
 // Refusals of replicas kept for `status`.
 constexpr size_t kRefusalsKept = 16;
 
-// The rank with dp_rank 0 of shard group `group`, and the host that runs it.
-int SaverRank(const ParallelConfig& config, int group) {
-  return config.Rank({.tp_rank = group % config.tp(),
-                      .dp_rank = 0,
-                      .pp_rank = group / config.tp()});
-}
+// The host that runs the rank that saves shard group `group`.
 std::string SaverHost(const ParallelConfig& config, int group) {
-  return config.hosts()[config.HostOfRank(SaverRank(config, group))];
+  return config.hosts()[config.HostOfRank(config.SaverOfGroup(group))];
 }
 
 // The checksum of a shard's tensor bytes: of each blob from its first
@@ -161,7 +156,7 @@ std::set<std::string> ClusterSaves::Voters(const ParallelConfig& config) {
   for (size_t i = 0; i < config.hosts().size(); ++i) {
     const auto [first, last] = config.RanksOfHost(static_cast<int>(i));
     for (int r = first; r <= last; ++r) {
-      if (config.Coords(r).dp_rank == 0) {
+      if (config.SavesShard(r)) {
         voters.insert(config.hosts()[i]);
         break;
       }
@@ -260,7 +255,7 @@ absl::StatusOr<std::string> ClusterSaves::VoteFor(const PendingStep& pending) {
   vote["held"] = record.held.value_or(std::vector<int>());
   vote["saved"] = pending.saved;
   vote["replicas"] = options_.replicas;
-  // Each shard held; those saved here as the group's dp_rank 0 rank are
+  // Each shard held; those saved here by the group's saver are
   // "own", for the next host to copy. Under dp > 1, where other hosts' ranks
   // may save replicas of them, with the checksum of its tensor bytes (a
   // copy is checked against the chunk sums instead).
@@ -441,7 +436,7 @@ absl::StatusOr<bool> ClusterSaves::DropDifferingReplicas(
         "step %d: the replica of rank-%05d/model.safetensors saved on host %s "
         "differs from the one host %s saved (a data-parallel copy must be "
         "identical); host %s keeps none of it",
-        step, SaverRank(config, g), host_, saver, host_);
+        step, config.SaverOfGroup(g), host_, saver, host_);
     job_.ReportError(why);
     std::lock_guard<std::mutex> lock(mu_);
     refused_.push_back(why);

@@ -467,7 +467,7 @@ std::string Job::StatusText() {
                       {"bytes_moved", p.bytes_moved}};
   if (!p.error.empty()) j["error"] = p.error;
   if (status_section_) j[status_key_] = status_section_();
-  // Steps being saved, and the dp_rank 0 ranks each still waits for.
+  // Steps being saved, and the saving ranks each still waits for.
   j["saving"] = nlohmann::json::array();
   for (const auto& [step, missing] : saves_->Pending())
     j["saving"].push_back({{"step", step}, {"waiting_for", missing}});

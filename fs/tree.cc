@@ -69,14 +69,14 @@ json RankJsonTensor(const TensorInfo& t, const TensorShard& s) {
     if (piece.zero_fill) p["padding"] = true;
     pieces.push_back(std::move(p));
   }
-  return {{"global_name", t.name},
-          {"dtype", DTypeName(t.dtype)},
-          {"shape", s.local_shape},
-          {"global_shape", t.shape},
-          {"global_offset", s.pieces.empty()
-                                ? Shape(t.shape.size(), 0)
-                                : s.pieces.front().global.origin()},
-          {"pieces", std::move(pieces)}};
+  return {
+      {"global_name", t.name},
+      {"dtype", DTypeName(t.dtype)},
+      {"shape", s.local_shape},
+      {"global_shape", t.shape},
+      {"global_offset", s.pieces.empty() ? Shape(t.shape.size(), 0)
+                                         : s.pieces.front().global.origin()},
+      {"pieces", std::move(pieces)}};
 }
 
 // Counts the nodes the views of `config` would take, from the placement

@@ -79,8 +79,9 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
     }
     if (key == "distopt") {
       return ConfigError(
-          text, "distopt (Megatron's distributed optimizer) is not supported "
-                "yet; save its state unsharded or as fsdp=S");
+          text,
+          "distopt (Megatron's distributed optimizer) is not supported "
+          "yet; save its state unsharded or as fsdp=S");
     }
     if (key == "hosts") {
       if (hosts) return ConfigError(text, "hosts given twice");

@@ -54,9 +54,8 @@ std::pair<int64_t, int64_t> Span(const Box& box, int dim) {
 template <typename T, typename SpanOf, typename Merge>
 absl::Status SortAndMerge(std::vector<T>& items, const std::string& tensor,
                           SpanOf span, Merge merge) {
-  std::sort(items.begin(), items.end(), [&](const T& a, const T& b) {
-    return span(a) < span(b);
-  });
+  std::sort(items.begin(), items.end(),
+            [&](const T& a, const T& b) { return span(a) < span(b); });
   std::vector<T> merged;
   for (T& item : items) {
     if (!merged.empty() && span(merged.back()) == span(item)) {
@@ -86,8 +85,7 @@ absl::StatusOr<std::vector<TensorIndex>> BuildIndex(const Placement& from) {
         const ShardPiece& piece = s.pieces[p];
         if (piece.zero_fill) continue;
         auto [b, e] = Span(piece.global, 0);
-        ti.bands.push_back(
-            {b, e, {{piece.global, {{ShardRef{g, k}, p}}}}});
+        ti.bands.push_back({b, e, {{piece.global, {{ShardRef{g, k}, p}}}}});
       }
     }
   }
@@ -154,10 +152,9 @@ ShardRef FindIdentical(const Placement& from, const TensorIndex& ti,
     auto band = FirstBandFrom(ti, Span(piece.global, 0).first);
     if (band == ti.bands.end()) return found;
     const auto inner = Span(piece.global, ti.inner);
-    auto it = std::lower_bound(band->boxes.begin(), band->boxes.end(), inner,
-                               [&](const SourceBox& x, auto v) {
-                                 return Span(x.box, ti.inner) < v;
-                               });
+    auto it = std::lower_bound(
+        band->boxes.begin(), band->boxes.end(), inner,
+        [&](const SourceBox& x, auto v) { return Span(x.box, ti.inner) < v; });
     if (it != band->boxes.end() && it->box == piece.global) {
       for (const SourceBox::Holder& h : it->holders) consider(h.shard);
     }
@@ -247,14 +244,12 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
         for (auto band = FirstBandFrom(ti, b);
              band != ti.bands.end() && band->begin < e && !gap; ++band) {
           if (band->begin > covered) break;
-          auto it = std::upper_bound(
-              band->boxes.begin(), band->boxes.end(), ib,
-              [&](int64_t v, const SourceBox& x) {
-                return v < Span(x.box, ti.inner).second;
-              });
+          auto it = std::upper_bound(band->boxes.begin(), band->boxes.end(), ib,
+                                     [&](int64_t v, const SourceBox& x) {
+                                       return v < Span(x.box, ti.inner).second;
+                                     });
           int64_t inner_covered = ib;
-          for (; it != band->boxes.end() &&
-                 Span(it->box, ti.inner).first < ie;
+          for (; it != band->boxes.end() && Span(it->box, ti.inner).first < ie;
                ++it) {
             if (Span(it->box, ti.inner).first > inner_covered) break;
             const SourceBox::Holder* h = &it->holders.front();
@@ -269,8 +264,8 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
               dst_origin[d] += piece.local.begin(d) - piece.global.begin(d);
               src_origin[d] += sp.local.begin(d) - sp.global.begin(d);
             }
-            ops.push_back({Box(std::move(dst_origin), common.shape()),
-                           h->shard, std::move(src_origin)});
+            ops.push_back({Box(std::move(dst_origin), common.shape()), h->shard,
+                           std::move(src_origin)});
             inner_covered = Span(it->box, ti.inner).second;
           }
           if (inner_covered < ie) gap = true;

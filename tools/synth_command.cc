@@ -43,9 +43,10 @@ absl::Status RunSynth(const SynthOptions& o) {
   ASSIGN_OR_RETURN(ParallelConfig config, ParallelConfig::Parse(o.config));
   ASSIGN_OR_RETURN(Placement placement,
                    Placement::Create(m.layout, m.model, config));
-  // Like Megatron, only data-parallel rank 0 of each shard group saves.
+  // Like Megatron, only data-parallel rank 0 of each shard group saves
+  // (under fsdp=S, the first S: one whole copy).
   for (int rank = 0; rank < config.world_size(); ++rank) {
-    if (config.Coords(rank).dp_rank != 0) continue;
+    if (!config.SavesShard(rank)) continue;
     std::filesystem::path dir = out / absl::StrFormat("rank-%05d", rank);
     RETURN_IF_ERROR(MakeDirs(dir));
     RETURN_IF_ERROR(WriteSynthShard(placement, rank, o.seed,

@@ -239,7 +239,7 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
     to = std::make_shared<const Placement>(*std::move(placement));
     const ParallelConfig& c = *o.config;
     for (int g = 0; g < c.num_shard_groups(); ++g) {
-      const int rank = c.Rank({g % c.tp(), 0, g / c.tp()});
+      const int rank = c.SaverOfGroup(g);
       OutputFile file{
           absl::StrFormat("rank-%05d/model.safetensors", rank), {}, {}};
       for (size_t k = 0; k < to->shards(g).size(); ++k) {
@@ -282,8 +282,8 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
   if (!o.merged) {
     const ParallelConfig& c = *o.config;
     for (int g = 0; g < c.num_shard_groups(); ++g) {
-      RETURN_IF_ERROR(ExportExtraFiles(
-          store, step, c, c.Rank({g % c.tp(), 0, g / c.tp()}), o.out));
+      RETURN_IF_ERROR(
+          ExportExtraFiles(store, step, c, c.SaverOfGroup(g), o.out));
     }
   }
   if (o.merged) {

@@ -117,7 +117,9 @@ absl::StatusOr<std::vector<ShardRecord::Location>> MatchShards(
 absl::StatusOr<Model> InferModel(
     const Layout& layout, const ParallelConfig& config,
     const std::vector<const SourceFile*>& group_files) {
-  const int tp = config.tp(), pp = config.pp();
+  const int tp = config.tp(), pp = config.pp(), fsdp = config.fsdp();
+  // The pipeline stage of a group.
+  auto stage = [&](size_t g) { return static_cast<int>(g) / fsdp / tp; };
   struct Seen {
     TensorRule rule;
     int64_t local_layer = 0;
@@ -132,7 +134,7 @@ absl::StatusOr<Model> InferModel(
         return UserError(group_files[g]->label, rule.status().message());
       Seen s{*rule, rule->layer.value_or(0)};
       if (rule->layer)
-        max_layer[g / tp] = std::max(max_layer[g / tp], *rule->layer);
+        max_layer[stage(g)] = std::max(max_layer[stage(g)], *rule->layer);
       seen[g].push_back(s);
     }
   }
@@ -166,6 +168,9 @@ absl::StatusOr<Model> InferModel(
   Model model;
   std::map<std::string, std::string> first_holder;  // global name -> label
   for (size_t g = 0; g < group_files.size(); ++g) {
+    // Under fsdp, the first chunk's group names every tensor of its
+    // (tp, pp) slice; the rows of all its chunks make the slice's rows.
+    if (config.ChunkOfGroup(static_cast<int>(g)) != 0) continue;
     const SourceFile& file = *group_files[g];
     for (size_t i = 0; i < file.header.tensors().size(); ++i) {
       const SafetensorsEntry& e = file.header.tensors()[i];
@@ -175,10 +180,17 @@ absl::StatusOr<Model> InferModel(
       if (s.rule.layer && layout.local_layer_numbering()) {
         global_name = absl::StrCat(
             e.name.substr(0, s.rule.layer_digits_pos),
-            s.local_layer + first[g / tp],
+            s.local_layer + first[stage(g)],
             e.name.substr(s.rule.layer_digits_pos + s.rule.layer_digits_len));
       }
       Shape shape = e.shape;
+      for (int c = 1; c < fsdp && !shape.empty(); ++c) {
+        for (const SafetensorsEntry& other :
+             group_files[g + c]->header.tensors()) {
+          if (other.name == e.name && !other.shape.empty())
+            shape[0] += other.shape[0];
+        }
+      }
       const LayoutRule& rule = *s.rule.rule;
       if (rule.split >= 0 && rule.split < static_cast<int>(shape.size())) {
         if (rule.vocab) {
@@ -288,16 +300,18 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
                                     " has ranks 0..", config.world_size() - 1));
     }
   }
-  // The files of dp_rank 0, one per shard group.
+  // The files of the groups' savers (dp_rank 0, or the first fsdp dp
+  // ranks), one per shard group.
   std::vector<SourceFile> group_files(config.num_shard_groups());
   for (int g = 0; g < config.num_shard_groups(); ++g) {
-    const int rank = config.Rank({g % config.tp(), 0, g / config.tp()});
+    const int rank = config.SaverOfGroup(g);
     std::string label = absl::StrFormat("rank-%05d/model.safetensors", rank);
     std::string path = o.src + "/" + label;
     if (!rank_dirs.contains(rank) || !Exists(path)) {
       return UserError(
           o.src, absl::StrCat(label, " is missing (config ", config.ToString(),
-                              " needs every rank with dp_rank 0)"));
+                              " needs every rank with dp_rank < ",
+                              config.fsdp(), ")"));
     }
     ASSIGN_OR_RETURN(group_files[g], ReadSource(path, label));
   }
@@ -313,17 +327,20 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
   auto placement = Placement::Create(store.layout(), plan.model, config);
   if (!placement.ok()) return UserError(o.src, placement.status().message());
   for (int g = 0; g < config.num_shard_groups(); ++g) {
-    RankCoords c{g % config.tp(), 0, g / config.tp()};
-    std::string where = absl::StrCat("rank ", config.Rank(c), " (tp_rank ",
-                                     c.tp_rank, ", pp_rank ", c.pp_rank, ")");
+    const RankCoords c = config.Coords(config.SaverOfGroup(g));
+    std::string where =
+        absl::StrCat("rank ", config.SaverOfGroup(g), " (tp_rank ", c.tp_rank,
+                     ", pp_rank ", c.pp_rank,
+                     config.fsdp() > 1 ? absl::StrCat(", dp_rank ", c.dp_rank)
+                                       : std::string(),
+                     ")");
     ASSIGN_OR_RETURN(std::vector<ShardRecord::Location> locations,
                      MatchShards(*plan.model, placement->shards(g),
                                  group_files[g], g, where));
     plan.groups.push_back({{}, std::move(locations)});
   }
   for (const auto& [rank, name] : rank_dirs) {
-    RankCoords c = config.Coords(rank);
-    if (c.dp_rank == 0) continue;
+    if (config.SavesShard(rank)) continue;
     std::string label = name + "/model.safetensors";
     if (!Exists(o.src + "/" + label)) continue;
     ASSIGN_OR_RETURN(SourceFile replica,

@@ -243,7 +243,7 @@ absl::Status StepWriter::CheckRank(int rank) const {
 
 bool StepWriter::Awaited(int rank) const {
   if (ranks_ && !ranks_->contains(rank)) return false;
-  return config().Coords(rank).dp_rank == 0 || joined_.contains(rank);
+  return config().SavesShard(rank) || joined_.contains(rank);
 }
 
 absl::StatusOr<std::shared_ptr<ShardFile>> StepWriter::Open(int rank) {
@@ -415,7 +415,7 @@ void StepWriter::ForgetExtra(int rank, const std::string& path) {
 
 void StepWriter::Join(int rank) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (config().Coords(rank).dp_rank > 0) joined_.insert(rank);
+  if (!config().SavesShard(rank)) joined_.insert(rank);
 }
 
 void StepWriter::Leave(int rank) {
@@ -436,10 +436,7 @@ bool StepWriter::complete() const { return missing().empty(); }
 
 absl::Status StepWriter::CompareTiedCopies() const {
   const Placement& p = *placement_;
-  // The rank with dp_rank 0 of a group.
-  auto rank_of = [&](int group) {
-    return config().Rank({group % config().tp(), 0, group / config().tp()});
-  };
+  auto rank_of = [&](int group) { return config().SaverOfGroup(group); };
   for (const Placement::TiedCopy& c : p.tied_copies()) {
     const int in_rank = rank_of(c.input_group);
     const int out_rank = rank_of(c.output_group);
@@ -477,12 +474,12 @@ absl::Status StepWriter::Commit() {
   absl::Cleanup unseal = [&sealed] {
     for (ShardFile* f : sealed) f->Unseal();
   };
-  // The file that stands for each group saved here: its dp_rank 0 rank's,
+  // The file that stands for each group saved here: its saver's,
   // or on a cluster's host that does not run that rank, the first replica
   // saved here (the cluster compares it with the one saved elsewhere).
   std::map<int, int> saver;  // rank, by group
   for (int r = 0; r < cfg.world_size(); ++r) {
-    if (cfg.Coords(r).dp_rank == 0 && (!ranks_ || ranks_->contains(r)))
+    if (cfg.SavesShard(r) && (!ranks_ || ranks_->contains(r)))
       saver[cfg.ShardGroup(r)] = r;
   }
   if (ranks_) {
@@ -517,8 +514,8 @@ absl::Status StepWriter::Commit() {
     ASSIGN_OR_RETURN(std::vector<uint64_t> sums, file.ChunkSums());
     batch.Put(Table::kBlobs, file.blob(),
               Store::EncodeBlob({file.size(), std::move(sums), step_}));
-    // Bytes the step counts once, where its dp_rank 0 rank saved them.
-    if (cfg.Coords(r).dp_rank == 0) record.bytes += file.checked_.data_bytes;
+    // Bytes the step counts once, where its saver saved them.
+    if (cfg.SavesShard(r)) record.bytes += file.checked_.data_bytes;
     used.insert(file.blob());
     if (r == 0) record.consumed_samples = file.checked_.consumed_samples;
   }

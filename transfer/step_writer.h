@@ -2,8 +2,10 @@
 // section 3, "Saving a checkpoint through the mount"). Each rank's
 // model.safetensors goes straight into a new blob of the store, with no
 // second copy; when its writer closes it, the header is checked against the
-// layout for that rank and the checksum taken. Once every rank with
-// dp_rank == 0 has closed a valid shard, Commit makes the blobs durable and
+// layout for that rank and the checksum taken. Once every rank that saves
+// its group (dp_rank 0, or dp_rank < S under fsdp=S:
+// ParallelConfig::SavesShard) has closed a valid shard, Commit makes the
+// blobs durable and
 // records the step in one catalog batch. Nothing is recorded before: a step
 // never committed leaves only blobs that no record names, which the next
 // open of the store removes (and the writer's destructor, when it runs).
@@ -127,9 +129,9 @@ class StepWriter {
   struct Options {
     // On a host of a cluster: the ranks saved here (the others are saved
     // on their own hosts). Only they may be written, the step is complete
-    // here once those with dp_rank 0 closed valid shards, and Commit
+    // here once its groups' savers closed valid shards, and Commit
     // records it pending (PendingStep) until the cluster commits it. A
-    // group whose dp_rank 0 rank runs on another host is kept here too
+    // group whose saver runs on another host is kept here too
     // when a replica of it was saved here, for the cluster to compare with
     // the other host's (by checksum) and to hold a second copy.
     std::optional<std::vector<int>> ranks;
@@ -179,13 +181,13 @@ class StepWriter {
   // The refusal of an extra file opened or closed once its step committed.
   static absl::Status LateExtra(int64_t step, int rank,
                                 const std::string& path);
-  // A rank with dp_rank > 0 began to save (made its directory): the step
+  // A rank that holds a replica (not its group's saver) began to save
+  // (made its directory): the step
   // waits for its shard too, so that the extra/ files it writes before its
   // shard are part of the step. Leave undoes it (its directory went).
   void Join(int rank);
   void Leave(int rank);
-  // Every rank with dp_rank == 0, and every rank that joined, has closed a
-  // valid shard.
+  // Every saver, and every rank that joined, has closed a valid shard.
   bool complete() const;
   // The ranks still to close a valid shard, for `status`.
   std::vector<int> missing() const;
@@ -200,7 +202,7 @@ class StepWriter {
   StepWriter(Store& store, int64_t step,
              std::shared_ptr<const Placement> placement,
              std::optional<std::set<int>> ranks);
-  // Whether the step waits for `rank`'s shard here: it has dp_rank 0 or
+  // Whether the step waits for `rank`'s shard here: it saves its group or
   // joined, and is saved on this host.
   bool Awaited(int rank) const;  // requires mu_
   absl::StatusOr<ShardFile::Checked> Check(int rank, ShardFile& file);
@@ -217,7 +219,7 @@ class StepWriter {
   const std::shared_ptr<const Placement> placement_;
   const std::optional<std::set<int>> ranks_;  // Options::ranks
   mutable std::mutex mu_;
-  // Guarded by mu_: each rank's valid file, the ranks with dp_rank > 0 that
+  // Guarded by mu_: each rank's valid file, the replicas' ranks that
   // joined, the closed extra files by (rank, path), each blob made, and
   // whether the step is committed.
   std::vector<std::shared_ptr<ShardFile>> valid_;

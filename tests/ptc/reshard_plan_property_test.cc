@@ -183,9 +183,8 @@ std::vector<int64_t> OracleElements(const TensorInfo& t, const OracleRule& r,
   for (int64_t o = 0; o < outer; ++o) {
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t k = 0; k < inner; ++k) {
-        out.push_back(rows[i] < 0
-                          ? -1
-                          : (o * t.shape[r.split] + rows[i]) * inner + k);
+        out.push_back(
+            rows[i] < 0 ? -1 : (o * t.shape[r.split] + rows[i]) * inner + k);
       }
     }
   }
@@ -274,8 +273,8 @@ std::vector<OracleGroup> OracleGroups(const Scenario& s,
                             : (r.split == 0 ? static_cast<int64_t>(rows.size())
                                             : t.shape[0]);
         for (int chunk = 0; chunk < fsdp; ++chunk) {
-          std::vector<int64_t> held = OracleChunk(
-              elements, local_rows, t.shape.empty(), fsdp, chunk);
+          std::vector<int64_t> held =
+              OracleChunk(elements, local_rows, t.shape.empty(), fsdp, chunk);
           Bytes bytes = OracleGather(s.full[i], t, held);
           groups[(stage * c.tp() + tr) * fsdp + chunk][local] = {
               i, std::move(held), std::move(bytes)};
