@@ -214,6 +214,15 @@ int ParallelConfig::Rank(const RankCoords& c) const {
   return (c.pp_rank * dp_ + c.dp_rank) * tp_ + c.tp_rank;
 }
 
+std::string ParallelConfig::DescribeRank(int rank) const {
+  const RankCoords c = Coords(rank);
+  return absl::StrCat(
+      "rank ", rank, " (tp_rank ", c.tp_rank, ", pp_rank ", c.pp_rank,
+      fsdp_ > 1 ? absl::StrCat(", fsdp chunk ", c.dp_rank % fsdp_)
+                : std::string(),
+      ")");
+}
+
 int ParallelConfig::ShardGroup(int rank) const {
   RankCoords c = Coords(rank);
   return (c.pp_rank * tp_ + c.tp_rank) * fsdp_ + c.dp_rank % fsdp_;

@@ -76,6 +76,9 @@ class ParallelConfig {
 
   RankCoords Coords(int rank) const;
   int Rank(const RankCoords& coords) const;
+  // How errors name what a rank holds: "rank 5 (tp_rank 1, pp_rank 0)",
+  // with ", fsdp chunk 0" under fsdp.
+  std::string DescribeRank(int rank) const;
 
   // Ranks with the same (tp_rank, pp_rank, dp_rank % fsdp) hold the same
   // model shard; this numbers those groups 0..tp*pp*fsdp-1 as

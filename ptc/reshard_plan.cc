@@ -413,8 +413,13 @@ PlanSummary ReshardPlan::Summarize() const {
   for (int g = 0; g < to_->num_groups(); ++g) {
     const std::vector<TensorShard>& shards = to_->shards(g);
     for (size_t k = 0; k < shards.size(); ++k) {
-      if (!groups_[g].in_place[k].valid())
+      // Identical shards (a replicated tensor's under tp, or its fsdp chunk)
+      // are written once.
+      const ShardRef self{g, static_cast<int>(k)};
+      if (!groups_[g].in_place[k].valid() &&
+          groups_[g].first_identical[k] == self) {
         summary.bytes_to_write += shards[k].bytes;
+      }
     }
   }
   return summary;

@@ -58,8 +58,9 @@ struct PlanSummary {
   int64_t bytes_total = 0;
   int64_t bytes_kept = 0;
   int64_t bytes_fetched = 0;
-  // Bytes of new shards, replicas counted once, that no old shard holds
-  // identically: what materialization must write at least.
+  // Bytes of new shards, replicas and identical shards counted once, that
+  // no old shard holds identically: what materialization must write at
+  // least.
   int64_t bytes_to_write = 0;
   std::vector<RankTraffic> ranks;
 };

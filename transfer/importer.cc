@@ -327,13 +327,7 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
   auto placement = Placement::Create(store.layout(), plan.model, config);
   if (!placement.ok()) return UserError(o.src, placement.status().message());
   for (int g = 0; g < config.num_shard_groups(); ++g) {
-    const RankCoords c = config.Coords(config.SaverOfGroup(g));
-    std::string where =
-        absl::StrCat("rank ", config.SaverOfGroup(g), " (tp_rank ", c.tp_rank,
-                     ", pp_rank ", c.pp_rank,
-                     config.fsdp() > 1 ? absl::StrCat(", dp_rank ", c.dp_rank)
-                                       : std::string(),
-                     ")");
+    const std::string where = config.DescribeRank(config.SaverOfGroup(g));
     ASSIGN_OR_RETURN(std::vector<ShardRecord::Location> locations,
                      MatchShards(*plan.model, placement->shards(g),
                                  group_files[g], g, where));

@@ -312,9 +312,7 @@ absl::StatusOr<ShardFile::Checked> StepWriter::Check(int rank,
         absl::StrCat(label, ": ", size, " bytes, but its header describes ",
                      header->file_size(), " (truncated data?)"));
   }
-  const RankCoords c = config().Coords(rank);
-  const std::string where = absl::StrCat("rank ", rank, " (tp_rank ", c.tp_rank,
-                                         ", pp_rank ", c.pp_rank, ")");
+  const std::string where = config().DescribeRank(rank);
   ShardFile::Checked checked;
   ASSIGN_OR_RETURN(
       checked.offsets,

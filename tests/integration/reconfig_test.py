@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """Reconfiguration on a real mount: a random walk of parallel configs (tp, pp,
-dp and stages changing alone and together, the world growing and shrinking)
+dp, stages and fsdp sharding changing alone and together, the world growing
+and shrinking)
 over a synthetic GPT with SwiGLU and vocab padding. After every switch, and
 again after its materialization, every byte of every rank must equal numpy
 slicing of the full tensors; the executor's byte counters must equal what
@@ -24,7 +25,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import require_fuse, serve, test_seed  # noqa
-from reference import parse_config, rank_shards, random_gpt, scalai, write_safetensors  # noqa
+from reference import (fsdp_of, parse_config, rank_shards, random_gpt, scalai,  # noqa
+                       write_safetensors)
 from views import check_bytes, expected, status, wait_ready  # noqa
 
 BIN = sys.argv[1]
@@ -42,8 +44,8 @@ def run(*args, expect=0):
     return scalai(BIN, *args, expect=expect)
 
 
-def make_config(tp, pp, dp, stages):
-    c = f"tp={tp},pp={pp},dp={dp}"
+def make_config(tp, pp, dp, stages, fsdp=1):
+    c = f"tp={tp},pp={pp},dp={dp}" + (f",fsdp={fsdp}" if fsdp > 1 else "")
     return c + ",stages=" + ":".join(map(str, stages)) if stages else c
 
 
@@ -57,11 +59,13 @@ def random_stages(r, pp):
 
 
 def next_config(r, config):
-    """Changes one thing (tp, pp, dp or the stages) or several at once."""
+    """Changes one thing (tp, pp, dp, the stages or the fsdp sharding) or
+    several at once."""
     tp, pp, dp, stages = parse_config(config)
+    fsdp = fsdp_of(config)
     while True:
-        kind = r.choice(["tp", "pp", "dp", "stages", "all", "all"])
-        ntp, npp, ndp, nstages = tp, pp, dp, stages
+        kind = r.choice(["tp", "pp", "dp", "stages", "fsdp", "all", "all"])
+        ntp, npp, ndp, nstages, nfsdp = tp, pp, dp, stages, fsdp
         if kind in ("tp", "all"):
             ntp = r.choice(TP_CHOICES)
         if kind in ("pp", "all"):
@@ -71,7 +75,9 @@ def next_config(r, config):
             ndp = r.randint(1, 4)
         if kind == "stages":
             nstages = random_stages(r, pp)
-        new = make_config(ntp, npp, ndp, nstages)
+        if kind in ("fsdp", "all") or ndp % nfsdp:
+            nfsdp = r.choice([d for d in range(1, ndp + 1) if ndp % d == 0])
+        new = make_config(ntp, npp, ndp, nstages, nfsdp)
         if new != config and ntp * npp * ndp <= 24:
             return new
 
@@ -174,7 +180,7 @@ def main():
 def walk(r, mnt, full, readers):
     config = START
     check_bytes(mnt, full, config, LAYERS, DIVISOR)
-    seen_materializing = grown = shrunk = 0
+    seen_materializing = grown = shrunk = sharded = 0
     for i in range(STEPS):
         new = next_config(r, config)
         if i % 4 == 0:  # a handle under the old config, read while configs change
@@ -197,9 +203,10 @@ def walk(r, mnt, full, readers):
         old_world, new_world = (np.prod(parse_config(c)[:3]) for c in (config, new))
         grown += new_world > old_world
         shrunk += new_world < old_world
+        sharded += fsdp_of(new) > 1
         print(f"{config:>28} -> {new:<28} moved {planned:>9} bytes (= plan)")
         config = new
-    assert grown and shrunk, (grown, shrunk)
+    assert grown and shrunk and sharded, (grown, shrunk, sharded)
     print(f"{STEPS} configs: every byte of every rank checked after each switch "
           f"({seen_materializing} seen still materializing) and after materialization")
 

@@ -70,9 +70,25 @@ def rule(name, gated):
 
 
 def parse_config(config):
-    tp, pp, dp = (int(re.search(k + r"=(\d+)", config).group(1)) for k in ("tp", "pp", "dp"))
+    tp, pp, dp = (int(re.search(r"(?<![a-z])" + k + r"=(\d+)", config).group(1))
+                  for k in ("tp", "pp", "dp"))
     m = re.search(r"stages=([\d:]+)", config)
     return tp, pp, dp, ([int(s) for s in m.group(1).split(":")] if m else None)
+
+
+def fsdp_of(config):
+    """S of ",fsdp=S", 1 without it."""
+    m = re.search(r"fsdp=(\d+)", config)
+    return int(m.group(1)) if m else 1
+
+
+def chunk(x, s, c):
+    """torch.chunk's chunk c of s on dim 0: ceil(n/s) rows each, the last
+    ones smaller or empty; a scalar is every chunk."""
+    if x.ndim == 0:
+        return x
+    size = -(-x.shape[0] // s)
+    return x[c * size:(c + 1) * size]
 
 
 def slice_tensor(x, name, tp, t, gated, divisor):
@@ -90,8 +106,10 @@ def slice_tensor(x, name, tp, t, gated, divisor):
 
 
 def rank_shards(full, config, gated, divisor, layers):
-    """{rank: {local name: array}} for every rank with dp_rank 0."""
+    """{rank: {local name: array}} for every rank that saves: dp_rank 0, or
+    under fsdp=S the first S dp ranks, each with its chunk."""
     tp, pp, dp, stages = parse_config(config)
+    fsdp = fsdp_of(config)
     if stages is None:
         stages = [layers // pp + (1 if p < layers % pp else 0) for p in range(pp)]
     first = [sum(stages[:p]) for p in range(pp)]
@@ -112,7 +130,8 @@ def rank_shards(full, config, gated, divisor, layers):
                         continue
                     local = name
                 shard[local] = slice_tensor(x, name, tp, t, gated, divisor)
-            out[(p * dp) * tp + t] = shard
+            for c in range(fsdp):
+                out[(p * dp + c) * tp + t] = {k: chunk(v, fsdp, c) for k, v in shard.items()}
     return out
 
 
