@@ -11,14 +11,18 @@
 #   scalai           dd into ckpt/step-N/rank-R/model.safetensors of a mount;
 #                    timed until the step has committed (`latest` moved)
 # Rounds alternate the order; each write starts after a sync and a pause,
-# since this VM's disk lags by seconds in write-back. Run by hand:
-#   tools/bench_save.sh [WORKDIR] [ROUNDS]
+# since this VM's disk lags by seconds in write-back. CONFIG picks the
+# saved config among those whose saving ranks are ranks 0..3: the default,
+# or tp=2,pp=1,dp=2,fsdp=2 (a sharded step: each rank saves its chunks).
+# Run by hand:
+#   [CONFIG=tp=2,pp=1,dp=2,fsdp=2] tools/bench_save.sh [WORKDIR] [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scalai=$PWD/build/tools/scalai
 [[ -x $scalai ]] || { echo "build first: meson setup build && meson compile -C build" >&2; exit 2; }
 work=${1:-$(mktemp -d /var/tmp/scalai-save-bench.XXXXXX)}
 rounds=${2:-3}
+config=${CONFIG:-tp=2,pp=2,dp=1}
 mkdir -p "$work"
 cleanup() {
   for m in "$work"/mnt "$work"/pt; do mountpoint -q "$m" 2>/dev/null && umount -l "$m"; done
@@ -29,10 +33,11 @@ pt=$work/passthrough_ll
 gcc -O2 /usr/share/doc/libfuse3-dev/examples/passthrough_ll.c $(pkg-config --cflags --libs fuse3) -o "$pt"
 
 model="layers=18,hidden=2048,heads=16,vocab=32000"
-"$scalai" synth "$work/ckpt" --layout megatron-core-gpt --model "$model" --config tp=2,pp=2,dp=1 --seed 1
+"$scalai" synth "$work/ckpt" --layout megatron-core-gpt --model "$model" --config "$config" --seed 1
 "$scalai" init "$work/store" --layout megatron-core-gpt --param vocab_size=32000 >/dev/null
-"$scalai" import "$work/store" "$work/ckpt" --config tp=2,pp=2,dp=1 --step 1 >/dev/null
+"$scalai" import "$work/store" "$work/ckpt" --config "$config" --step 1 >/dev/null
 ranks=(00000 00001 00002 00003)
+[[ $(ls "$work/ckpt") == $(printf 'rank-%s\n' "${ranks[@]}") ]] || { echo "$config: its saving ranks are not ranks 0..3" >&2; exit 2; }
 bytes=$(cat "$work"/ckpt/rank-*/model.safetensors | wc -c)
 gib=$(echo "$bytes / 1073741824" | bc -l)
 cat "$work"/ckpt/rank-*/model.safetensors > /dev/null  # sources in the page cache
@@ -82,7 +87,7 @@ umount "$work/pt"
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}'; }
 rate() { printf '%.2f GiB/s' "$(echo "$gib / $1" | bc -l)"; }
 d=$(median "${direct[@]}"); o=$(median "${odirect[@]}"); p=$(median "${ptll[@]}"); m=$(median "${mount[@]}")
-printf 'saving %.2f GiB (4 shards by 4 processes, 1 MiB writes, fsync each), median of %d\n' "$gib" "$rounds"
+printf 'saving %.2f GiB under %s (4 shards by 4 processes, 1 MiB writes, fsync each), median of %d\n' "$gib" "$config" "$rounds"
 printf '%-34s %6.2f s  %s   runs: %s\n' "direct (dd into a directory)" "$d" "$(rate "$d")" "${direct[*]}"
 printf '%-34s %6.2f s  %s   runs: %s\n' "O_DIRECT (dd oflag=direct)" "$o" "$(rate "$o")" "${odirect[*]}"
 printf '%-34s %6.2f s  %s   runs: %s\n' "passthrough_ll" "$p" "$(rate "$p")" "${ptll[*]}"

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """The mission end to end (scenario.py): a PyTorch GPT with tensor, pipeline
 and data parallelism trains through a Scalai mount while its config changes
-three times (the world shrinks, shrinks again, grows; tp, pp and dp each
-change), restarting from checkpoints saved through the mount each time. Every
+four times (the world shrinks, shrinks again, grows; tp, pp, dp and the
+sharding of its state across dp ranks, fsdp, each change), restarting from checkpoints saved through the mount each time. Every
 global batch's sample ids must equal the uninterrupted job's, every loss and
 the final parameters must match it within 1e-9 relative (float64), and the
 store must pass fsck. Exits 77 only where /dev/fuse is missing."""
@@ -27,6 +27,11 @@ def main():
     for key in ("tp", "pp", "dp"):
         values = [dict(p.split("=") for p in c.split(","))[key] for c in configs]
         assert len(set(values)) > 1, (key, values)
+    # The sharding mode changes too: replicas, FSDP, HSDP.
+    keys = [dict(p.split("=") for p in c.split(",")) for c in configs]
+    sharding = [int(k.get("fsdp", 1)) for k in keys]
+    assert len(set(sharding)) > 1, sharding
+    assert any(1 < s < int(k["dp"]) for s, k in zip(sharding, keys)), configs  # HSDP
     work = tempfile.mkdtemp(prefix="scalai-e2e.", dir="/var/tmp")
     try:
         result = scenario.run(os.path.abspath(sys.argv[1]), work)

@@ -4,11 +4,17 @@ tensor parallelism (column- and row-parallel linears, a SwiGLU MLP whose fc1
 holds [gate; up] per rank, grouped-query attention split by query group, a
 vocabulary-parallel embedding and output layer with padded rows), pipeline
 parallelism (stages as processes passing activations forward and their
-gradients back), and data parallelism (gradients all-reduced). CPU, float64,
+gradients back), and data parallelism (gradients all-reduced), or with
+fsdp=S in the config FSDP's sharding (HSDP when S < dp): each rank holds
+chunk dp_rank % S of every tensor and of Adam's moments, cut on dim 0 as
+torch.chunk cuts, gathers the whole tensors from its S-rank shard group
+before use, and reduce-scatters the gradients back to their chunks (then
+all-reduces them across the dp/S replicas). CPU, float64,
 torch.distributed with gloo. Its data and its checkpoints go only through a
 Scalai mount: each data-parallel rank reads its samples from
 MOUNT/data/NAME/rank-D/, each rank loads MOUNT/ckpt/latest/rank-R/ and, at
-the end, the ranks with dp_rank 0 save MOUNT/ckpt/step-N/rank-R/ (Adam's
+the end, the ranks with dp_rank 0 (dp_rank < S under fsdp) save
+MOUNT/ckpt/step-N/rank-R/ (Adam's
 moments saved per parameter as optimizer.exp_avg.NAME and
 optimizer.exp_avg_sq.NAME, so they reshard with it; the iteration and Adam's
 step in extra/state.json).
@@ -76,13 +82,19 @@ class Topology:
 
     def __init__(self, config, rank):
         self.tp, self.pp, self.dp = (int(config[k]) for k in ("tp", "pp", "dp"))
+        self.fsdp = int(config.get("fsdp", 1))
         self.rank = rank
         self.tp_rank = rank % self.tp
         self.dp_rank = rank // self.tp % self.dp
         self.pp_rank = rank // (self.tp * self.dp)
         self.first = self.pp_rank == 0
         self.last = self.pp_rank == self.pp - 1
-        self.tp_group = self.dp_group = None
+        self.tp_group = self.dp_group = self.shard_group = self.replica_group = None
+        self.chunk = self.dp_rank % self.fsdp
+        # Under fsdp: the S ranks of this rank's run (each a chunk), in chunk
+        # order, and the dp/S ranks that hold the same chunk.
+        self.shard_ranks = [self.rank_of(self.tp_rank, self.dp_rank - self.chunk + c, self.pp_rank)
+                            for c in range(self.fsdp)]
         # Every process makes every group, in the same order.
         for p in range(self.pp):
             for d in range(self.dp):
@@ -96,6 +108,14 @@ class Topology:
                 g = dist.new_group(ranks)
                 if rank in ranks:
                     self.dp_group = g
+                for first in range(0, self.dp, self.fsdp):
+                    g = dist.new_group(ranks[first:first + self.fsdp])
+                    if rank in ranks[first:first + self.fsdp]:
+                        self.shard_group = g
+                for c in range(self.fsdp):
+                    g = dist.new_group(ranks[c::self.fsdp])
+                    if rank in ranks[c::self.fsdp]:
+                        self.replica_group = g
 
     def rank_of(self, tp_rank, dp_rank, pp_rank):
         return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
@@ -144,19 +164,54 @@ class ReduceFromTP(torch.autograd.Function):
 
 # --- the model -----------------------------------------------------------------
 
+def chunk_bounds(rows, s, c):
+    """torch.chunk's chunk c of s over `rows` rows: ceil(rows/s) each, the
+    last ones smaller or empty."""
+    size = -(-rows // s)
+    return min(rows, c * size), min(rows, (c + 1) * size)
+
+
 class Stage:
     """This rank's part of the model: its pipeline stage's layers, each
-    tensor its tensor-parallel shard, under Megatron-Core's local names."""
+    tensor its tensor-parallel shard, under Megatron-Core's local names.
+    Under fsdp it holds its chunk of each (`owned`) and gathers the whole
+    tensors into `params` before each step."""
 
     def __init__(self, m, topo, tensors):
         self.m, self.topo = m, topo
         self.first_layer, self.num_layers = stage_layers(m["layers"], topo.pp, topo.pp_rank)
-        self.params = {name: torch.tensor(arr, dtype=DTYPE, requires_grad=True)
-                       for name, arr in tensors.items() if not name.startswith("optimizer.")}
+        self.owned = {name: torch.tensor(arr, dtype=DTYPE)
+                      for name, arr in tensors.items() if not name.startswith("optimizer.")}
         self.exp_avg = {n: torch.tensor(tensors["optimizer.exp_avg." + n], dtype=DTYPE)
-                        for n in self.params}
+                        for n in self.owned}
         self.exp_avg_sq = {n: torch.tensor(tensors["optimizer.exp_avg_sq." + n], dtype=DTYPE)
-                           for n in self.params}
+                           for n in self.owned}
+        # The rows of each whole (tp-local) tensor: the chunks' rows summed.
+        self.rows = {}
+        for name, t in self.owned.items():
+            n = torch.tensor([t.shape[0]], dtype=torch.int64)
+            if topo.fsdp > 1:
+                dist.all_reduce(n, group=topo.shard_group)
+            self.rows[name] = int(n.item())
+        self.params = {}
+
+    def gather(self):
+        """The whole tensors, as leaves that collect gradients: each chunk
+        all-gathered from the shard group (padded to the largest chunk)."""
+        s = self.topo.fsdp
+        for name, t in self.owned.items():
+            if s == 1:
+                whole = t.clone()
+            else:
+                rows = self.rows[name]
+                size = -(-rows // s)
+                padded = torch.zeros((size,) + tuple(t.shape[1:]), dtype=DTYPE)
+                padded[:t.shape[0]] = t
+                parts = [torch.empty_like(padded) for _ in range(s)]
+                dist.all_gather(parts, padded, group=self.topo.shard_group)
+                whole = torch.cat([parts[c][:chunk_bounds(rows, s, c)[1] - chunk_bounds(rows, s, c)[0]]
+                                   for c in range(s)])
+            self.params[name] = whole.requires_grad_()
 
     def p(self, name):
         return self.params[name]
@@ -264,24 +319,41 @@ class Stage:
             dist.send(x_in.grad, dst=topo.peer(topo.pp_rank - 1))
         return loss
 
+    def chunk_grad(self, name):
+        """This rank's chunk of the gradient summed over every dp rank: a
+        reduce-scatter in the shard group (gloo has none: one reduce per
+        chunk, to the chunk's holder), then an all-reduce across replicas."""
+        g, topo = self.params[name].grad, self.topo
+        if topo.fsdp == 1:
+            if topo.dp > 1:
+                dist.all_reduce(g, group=topo.dp_group)
+            return g
+        mine = None
+        for c in range(topo.fsdp):
+            lo, hi = chunk_bounds(self.rows[name], topo.fsdp, c)
+            part = g[lo:hi].contiguous()
+            dist.reduce(part, dst=topo.shard_ranks[c], group=topo.shard_group)
+            if c == topo.chunk:
+                mine = part
+        if topo.dp > topo.fsdp:
+            dist.all_reduce(mine, group=topo.replica_group)
+        return mine
+
     def adam(self, t):
-        for name, p in self.params.items():
-            g = p.grad
-            if self.topo.dp > 1:
-                dist.all_reduce(g, group=self.topo.dp_group)
+        for name, p in self.owned.items():
+            g = self.chunk_grad(name)
             m, v = self.exp_avg[name], self.exp_avg_sq[name]
             m.mul_(ADAM["b1"]).add_(g, alpha=1 - ADAM["b1"])
             v.mul_(ADAM["b2"]).addcmul_(g, g, value=1 - ADAM["b2"])
             mhat = m / (1 - ADAM["b1"] ** t)
             vhat = v / (1 - ADAM["b2"] ** t)
-            with torch.no_grad():
-                p -= ADAM["lr"] * mhat / (vhat.sqrt() + ADAM["eps"])
-            p.grad = None
+            p -= ADAM["lr"] * mhat / (vhat.sqrt() + ADAM["eps"])
+        self.params = {}
 
     def tensors(self):
         out = {}
-        for name, p in self.params.items():
-            out[name] = p.detach().numpy()
+        for name, p in self.owned.items():
+            out[name] = p.numpy()
             out["optimizer.exp_avg." + name] = self.exp_avg[name].numpy()
             out["optimizer.exp_avg_sq." + name] = self.exp_avg_sq[name].numpy()
         return out
@@ -341,6 +413,7 @@ def main():
             with open(f"{data}/rank-{topo.dp_rank:05d}/samples/{k}", "rb") as f:
                 rows.append(np.frombuffer(f.read(), dtype="<i4"))
         sample = torch.from_numpy(np.stack(rows).astype(np.int64))
+        stage.gather()
         loss = stage.step(sample[:, :-1], sample[:, 1:], batch * seq, (mine, seq, m["hidden"]))
         stage.adam(state["adam_step"] + j + 1)
         if topo.last:
@@ -358,7 +431,7 @@ def main():
     done = state["iteration"] + args.iterations
     if args.save:
         dist.barrier()
-        if topo.dp_rank == 0:
+        if topo.dp_rank < topo.fsdp:
             out = f"{mnt}/ckpt/step-{done:08d}/rank-{rank:05d}"
             os.makedirs(f"{out}/extra", exist_ok=True)
             with open(f"{out}/extra/state.json", "w") as f:
