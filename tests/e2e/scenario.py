@@ -283,10 +283,10 @@ def report(r):
     u = r["uninterrupted"]
     lines.append(row(u["config"] + " (uninterrupted)", world_size(u["config"]), 1,
                      u["iterations"], r["uninterrupted_log"], u["seconds"]))
-    lines += ["", f"{'reconfiguration (while mounted)':<36} {'switch':>8} {'ready':>8} "
+    lines += ["", f"{'reconfiguration (while mounted)':<46} {'switch':>8} {'ready':>8} "
                   f"{'bytes written':>14}"]
     for c in r["reconfigurations"]:
-        lines.append(f"{c['from'] + ' -> ' + c['to']:<36} {c['switch_s'] * 1000:>6.1f}ms "
+        lines.append(f"{c['from'] + ' -> ' + c['to']:<46} {c['switch_s'] * 1000:>6.1f}ms "
                      f"{c['ready_s'] * 1000:>6.1f}ms {c['bytes_moved']:>14,}")
     lines += ["", f"every global batch's sample ids equal the uninterrupted job's: "
                   f"{'yes' if not any('sample ids' in p for p in r['problems']) else 'NO'}",
@@ -312,7 +312,7 @@ def plot(r, path):
         ax.axvline(p["first"] - 0.5, color="0.3", ls=":", lw=1)
     ax.set_xlabel("iteration")
     ax.set_ylabel("training loss")
-    ax.set_title("Loss through three reconfigurations of a Scalai mount")
+    ax.set_title(f"Loss through {len(r['reconfigurations'])} reconfigurations of a Scalai mount")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
