@@ -14,7 +14,8 @@ namespace scalai {
 namespace {
 
 constexpr absl::string_view kExpected =
-    "expected tp=N,pp=N,dp=N[,fsdp=S][,stages=A:B:...][,hosts=H1+H2+...]";
+    "expected tp=N,pp=N,dp=N[,fsdp=S|,distopt=1][,stages=A:B:...]"
+    "[,hosts=H1+H2+...]";
 
 absl::Status ConfigError(absl::string_view text, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(
@@ -55,6 +56,7 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
   bool have_stages = false;
   std::optional<std::vector<std::string>> hosts;
   int64_t fsdp = 0;
+  std::optional<bool> distopt;
   for (absl::string_view item : absl::StrSplit(text, ',')) {
     std::pair<absl::string_view, absl::string_view> kv =
         absl::StrSplit(item, absl::MaxSplits('=', 1));
@@ -78,10 +80,13 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
       continue;
     }
     if (key == "distopt") {
-      return ConfigError(
-          text,
-          "distopt (Megatron's distributed optimizer) is not supported "
-          "yet; save its state unsharded or as fsdp=S");
+      if (distopt) return ConfigError(text, "distopt given twice");
+      if (value != "0" && value != "1") {
+        return ConfigError(
+            text, absl::StrCat("distopt=", Excerpt(value), " must be 0 or 1"));
+      }
+      distopt = value == "1";
+      continue;
     }
     if (key == "hosts") {
       if (hosts) return ConfigError(text, "hosts given twice");
@@ -111,6 +116,7 @@ absl::StatusOr<ParallelConfig> ParallelConfig::Parse(absl::string_view raw) {
              static_cast<int>(degrees[2]), std::move(stages));
   if (config.ok() && fsdp != 0)
     config = config->WithFsdp(static_cast<int>(fsdp));
+  if (config.ok() && distopt) config = config->WithDistopt(*distopt);
   if (config.ok() && hosts) config = config->WithHosts(std::move(*hosts));
   if (!config.ok()) return ConfigError(text, config.status().message());
   return config;
@@ -153,6 +159,11 @@ absl::StatusOr<ParallelConfig> ParallelConfig::WithHosts(
 }
 
 absl::StatusOr<ParallelConfig> ParallelConfig::WithFsdp(int fsdp) const {
+  if (distopt_ && fsdp > 1) {
+    return absl::InvalidArgumentError(
+        "fsdp and distopt=1 exclude each other: fsdp shards the parameters "
+        "too, distopt only the optimizer state");
+  }
   if (fsdp < 1 || dp_ % fsdp != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("fsdp=", fsdp, " must divide dp=", dp_,
@@ -161,6 +172,17 @@ absl::StatusOr<ParallelConfig> ParallelConfig::WithFsdp(int fsdp) const {
   }
   ParallelConfig config = *this;
   config.fsdp_ = fsdp;
+  return config;
+}
+
+absl::StatusOr<ParallelConfig> ParallelConfig::WithDistopt(bool distopt) const {
+  if (distopt && fsdp_ > 1) {
+    return absl::InvalidArgumentError(
+        "fsdp and distopt=1 exclude each other: fsdp shards the parameters "
+        "too, distopt only the optimizer state");
+  }
+  ParallelConfig config = *this;
+  config.distopt_ = distopt;
   return config;
 }
 
@@ -218,19 +240,22 @@ std::string ParallelConfig::DescribeRank(int rank) const {
   const RankCoords c = Coords(rank);
   return absl::StrCat(
       "rank ", rank, " (tp_rank ", c.tp_rank, ", pp_rank ", c.pp_rank,
-      fsdp_ > 1 ? absl::StrCat(", fsdp chunk ", c.dp_rank % fsdp_)
-                : std::string(),
+      fsdp_ > 1  ? absl::StrCat(", fsdp chunk ", c.dp_rank % fsdp_)
+      : distopt_ ? absl::StrCat(", dp_rank ", c.dp_rank)
+                 : std::string(),
       ")");
 }
 
 int ParallelConfig::ShardGroup(int rank) const {
   RankCoords c = Coords(rank);
-  return (c.pp_rank * tp_ + c.tp_rank) * fsdp_ + c.dp_rank % fsdp_;
+  const int d = dp_shards();
+  return (c.pp_rank * tp_ + c.tp_rank) * d + c.dp_rank % d;
 }
 
 int ParallelConfig::SaverOfGroup(int group) const {
-  const int slice = group / fsdp_;  // pp_rank * tp + tp_rank
-  return Rank({slice % tp_, group % fsdp_, slice / tp_});
+  const int d = dp_shards();
+  const int slice = group / d;  // pp_rank * tp + tp_rank
+  return Rank({slice % tp_, group % d, slice / tp_});
 }
 
 absl::StatusOr<std::vector<int64_t>> ParallelConfig::LayersPerStage(
@@ -257,6 +282,7 @@ absl::StatusOr<std::vector<int64_t>> ParallelConfig::LayersPerStage(
 std::string ParallelConfig::ToString() const {
   std::string out = absl::StrCat("tp=", tp_, ",pp=", pp_, ",dp=", dp_);
   if (fsdp_ > 1) absl::StrAppend(&out, ",fsdp=", fsdp_);
+  if (distopt_) absl::StrAppend(&out, ",distopt=1");
   if (!stages_.empty())
     absl::StrAppend(&out, ",stages=", absl::StrJoin(stages_, ":"));
   if (!hosts_.empty())

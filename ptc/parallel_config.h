@@ -1,5 +1,6 @@
 // A ParallelConfig is a job's tensor/pipeline/data parallel degrees, with an
-// optional sharding of its state across data-parallel ranks (fsdp=S), an
+// optional sharding of its state across data-parallel ranks (fsdp=S, or
+// distopt=1 for the optimizer state alone), an
 // optional explicit split of layers over pipeline stages and, for a job that
 // spans hosts, the hosts that run it. Ranks are numbered in Megatron order:
 // tp varies fastest, then dp, then pp; host i of H runs the contiguous block
@@ -39,9 +40,9 @@ class ParallelConfig {
   // allocated for it.
   static constexpr int64_t kMaxWorldSize = int64_t{1} << 16;
 
-  // Parses "tp=2,pp=4,dp=8", optionally with ",fsdp=4", ",stages=6:6:6:6"
-  // and ",hosts=h0+h1". Keys may come in any order; tp, pp and dp are
-  // required.
+  // Parses "tp=2,pp=4,dp=8", optionally with ",fsdp=4" or ",distopt=1",
+  // ",stages=6:6:6:6" and ",hosts=h0+h1". Keys may come in any order; tp,
+  // pp and dp are required.
   // Surrounding whitespace (the newline of `echo`) is ignored.
   static absl::StatusOr<ParallelConfig> Parse(absl::string_view text);
 
@@ -60,6 +61,13 @@ class ParallelConfig {
   // The same config with its state sharded across runs of `fsdp`
   // consecutive dp ranks; fsdp must divide dp.
   absl::StatusOr<ParallelConfig> WithFsdp(int fsdp) const;
+  // Megatron-Core's distributed optimizer: parameters replicated across dp
+  // ranks, their optimizer state cut across them (Placement says how).
+  bool distopt() const { return distopt_; }
+  absl::StatusOr<ParallelConfig> WithDistopt(bool distopt) const;
+  // How many different shards the dp ranks of one (tp_rank, pp_rank) hold:
+  // fsdp(), or dp() under distopt (each its own part of the state).
+  int dp_shards() const { return distopt_ ? dp_ : fsdp_; }
   // Explicit layers per stage, or empty for the default split.
   const std::vector<int64_t>& stages() const { return stages_; }
   // The hosts that run the job, in order, or empty: every rank on one host.
@@ -77,31 +85,33 @@ class ParallelConfig {
   RankCoords Coords(int rank) const;
   int Rank(const RankCoords& coords) const;
   // How errors name what a rank holds: "rank 5 (tp_rank 1, pp_rank 0)",
-  // with ", fsdp chunk 0" under fsdp.
+  // with ", fsdp chunk 0" under fsdp and ", dp_rank 2" under distopt.
   std::string DescribeRank(int rank) const;
 
-  // Ranks with the same (tp_rank, pp_rank, dp_rank % fsdp) hold the same
-  // model shard; this numbers those groups 0..tp*pp*fsdp-1 as
-  // (pp_rank * tp + tp_rank) * fsdp + dp_rank % fsdp (without fsdp, the
-  // number stores have always used).
+  // Ranks with the same (tp_rank, pp_rank, dp_rank % D), D = dp_shards(),
+  // hold the same model shard; this numbers those groups 0..tp*pp*D-1 as
+  // (pp_rank * tp + tp_rank) * D + dp_rank % D (with D = 1, the number
+  // stores have always used).
   int ShardGroup(int rank) const;
-  int num_shard_groups() const { return tp_ * pp_ * fsdp_; }
-  // The chunk (dp_rank % fsdp) the ranks of `group` hold.
-  int ChunkOfGroup(int group) const { return group % fsdp_; }
+  int num_shard_groups() const { return tp_ * pp_ * dp_shards(); }
+  // The dp shard (dp_rank % D: the fsdp chunk, or the distopt dp rank) the
+  // ranks of `group` hold.
+  int ChunkOfGroup(int group) const { return group % dp_shards(); }
   // The rank that saves `group`'s shard: the one of the first run of
-  // data-parallel ranks (dp_rank < fsdp).
+  // data-parallel ranks (dp_rank < D).
   int SaverOfGroup(int group) const;
-  // Whether `rank` saves its group's shard (dp_rank < fsdp); the others
+  // Whether `rank` saves its group's shard (dp_rank < D); the others
   // hold replicas of a saver's shard.
-  bool SavesShard(int rank) const { return Coords(rank).dp_rank < fsdp_; }
+  bool SavesShard(int rank) const { return Coords(rank).dp_rank < dp_shards(); }
 
   // Layers held by each pipeline stage for a model of `num_layers` layers:
   // the explicit stages when given (checked against num_layers), else as even
   // as possible with earlier stages taking the remainder.
   absl::StatusOr<std::vector<int64_t>> LayersPerStage(int64_t num_layers) const;
 
-  // "tp=2,pp=4,dp=8" (with ",fsdp=...", ",stages=..." and ",hosts=..."
-  // when given; fsdp=1 is the default and never written).
+  // "tp=2,pp=4,dp=8" (with ",fsdp=...", ",distopt=1", ",stages=..." and
+  // ",hosts=..." when given; fsdp=1 and distopt=0 are the defaults and
+  // never written).
   std::string ToString() const;
 
   friend bool operator==(const ParallelConfig&,
@@ -116,6 +126,7 @@ class ParallelConfig {
   int pp_ = 1;
   int dp_ = 1;
   int fsdp_ = 1;
+  bool distopt_ = false;
   std::vector<int64_t> stages_;
   std::vector<std::string> hosts_;
 };

@@ -1,7 +1,10 @@
 #include "ptc/placement.h"
 
 #include <algorithm>
+#include <map>
+#include <numeric>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "ptc/checked_math.h"
 #include "ptc/status_macros.h"
@@ -51,7 +54,7 @@ absl::StatusOr<SplitResult> SplitTensor(const TensorInfo& t,
     global_origin[dim] = global_begin;
     shape[dim] = len;
     out.pieces.push_back(
-        {Box(local_origin, shape), Box(global_origin, shape), zero});
+        {Box(local_origin, shape), Box(global_origin, shape), zero, -1, {}});
   };
   if (rule.vocab) {
     // Rows padded to a multiple of divisor * tp; the padding rows are zeros
@@ -119,13 +122,79 @@ absl::StatusOr<TensorShard> ChunkOf(const TensorShard& shard, DType dtype,
     local[0] -= begin;
     out.pieces.push_back({Box(std::move(local), common.shape()),
                           Box(std::move(global), common.shape()),
-                          piece.zero_fill});
+                          piece.zero_fill,
+                          -1,
+                          {}});
   }
   ASSIGN_OR_RETURN(out.bytes, TensorBytes(out.local_shape, dtype));
   return out;
 }
 
+// Elements [begin, end) of a tp shard flattened row-major, as a 1-D shard:
+// the range cut into boxes of whole rows and parts of rows (a head, a body,
+// a tail), each a view of the 1-D tensor, then cut again by the tp shard's
+// pieces.
+absl::StatusOr<TensorShard> FlatRange(const TensorShard& shard,
+                                      const TensorInfo& t, int64_t begin,
+                                      int64_t end) {
+  const Shape& shape = shard.local_shape;
+  if (shape.size() > 2) {
+    return TensorError(
+        t, absl::StrCat("distopt=1 cuts optimizer state flat, over at most 2 "
+                        "dimensions; this tensor has ",
+                        shape.size()));
+  }
+  std::vector<Box> boxes;
+  if (shape.size() < 2) {
+    boxes.push_back(shape.empty() ? Box({}, {}) : Box({begin}, {end - begin}));
+  } else {
+    const int64_t cols = shape[1];
+    int64_t r0 = begin / cols, c0 = begin % cols;
+    const int64_t r1 = end / cols, c1 = end % cols;
+    if (r0 == r1) {
+      boxes.push_back(Box({r0, c0}, {1, c1 - c0}));
+    } else {
+      if (c0 > 0) boxes.push_back(Box({r0++, c0}, {1, cols - c0}));
+      if (r1 > r0) boxes.push_back(Box({r0, 0}, {r1 - r0, cols}));
+      if (c1 > 0) boxes.push_back(Box({r1, 0}, {1, c1}));
+    }
+  }
+  TensorShard out = shard;
+  out.local_shape = {end - begin};
+  out.pieces.clear();
+  out.flat_begin = begin;
+  const Shape strides = RowMajorStrides(shape);
+  for (const Box& view : boxes) {
+    int64_t at = -begin;  // the view's first element in the 1-D tensor
+    for (int d = 0; d < view.rank(); ++d) at += view.begin(d) * strides[d];
+    for (const ShardPiece& piece : shard.pieces) {
+      const Box common = Intersect(piece.local, view);
+      if (common.empty()) continue;
+      Shape local = common.origin(), global = piece.global.origin();
+      for (int d = 0; d < common.rank(); ++d) {
+        global[d] += common.begin(d) - piece.local.begin(d);
+        local[d] -= view.begin(d);
+      }
+      out.pieces.push_back({Box(std::move(local), common.shape()),
+                            Box(std::move(global), common.shape()),
+                            piece.zero_fill, at, view.shape()});
+    }
+  }
+  ASSIGN_OR_RETURN(out.bytes, TensorBytes(out.local_shape, t.dtype));
+  return out;
+}
+
 }  // namespace
+
+int OptimizerStateOf(const Model& model, int tensor) {
+  const std::string& name = model.tensor(tensor).name;
+  if (!absl::StartsWith(name, "optimizer.")) return -1;
+  const size_t dot = name.find('.', 10);
+  if (dot == std::string::npos) return -1;
+  const TensorInfo* param = model.Find(name.substr(dot + 1));
+  if (param == nullptr) return -1;
+  return static_cast<int>(param - model.tensors().data());
+}
 
 absl::StatusOr<Placement> Placement::Create(const Layout& layout,
                                             std::shared_ptr<const Model> model,
@@ -174,7 +243,16 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
   const int64_t vocab_divisor =
       layout.IntParam("make_vocab_size_divisible_by").value_or(1);
   const std::optional<int64_t> vocab_size = layout.IntParam("vocab_size");
-  p.groups_.resize(config.num_shard_groups());
+  // The groups of (stage, tp rank, fsdp chunk); distopt then gives each dp
+  // rank its own (ExpandDistopt).
+  p.groups_.resize(config.tp() * config.pp() * config.fsdp());
+  if (config.distopt() && tie && config.pp() > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config ", config.ToString(),
+                     ": distopt=1 with embeddings tied across "
+                     "pipeline stages (",
+                     tie->when, "=1) is not supported yet"));
+  }
 
   for (int i = 0; i < m.size(); ++i) {
     const TensorInfo& t = m.tensor(i);
@@ -227,7 +305,8 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
       shard.local_shape = t.shape;
       shard.split_dim = rule.split;
       if (rule.split < 0) {
-        shard.pieces.push_back({Box::Full(t.shape), Box::Full(t.shape), false});
+        shard.pieces.push_back(
+            {Box::Full(t.shape), Box::Full(t.shape), false, -1, {}});
         shard.bytes = full_bytes;
       } else {
         const std::optional<int64_t> units =
@@ -267,7 +346,62 @@ absl::StatusOr<Placement> Placement::Create(const Layout& layout,
       }
     }
   }
+  if (config.distopt()) RETURN_IF_ERROR(p.ExpandDistopt());
   return p;
+}
+
+absl::Status Placement::ExpandDistopt() {
+  const Model& m = *model_;
+  const int dp = config_.dp();
+  std::vector<Group> base = std::move(groups_);
+  groups_.assign(base.size() * dp, Group());
+  const int64_t bucket_multiple = std::lcm(int64_t{dp}, int64_t{128});
+  for (size_t b = 0; b < base.size(); ++b) {
+    const std::vector<TensorShard>& shards = base[b].shards;
+    // Where each shard of a parameter of the stage's model chunk starts in
+    // its buffer: walked in reverse order, each start padded to 64
+    // elements; the buffer's end padded to lcm(dp, 128).
+    std::map<int, int64_t> start;  // by model tensor
+    int64_t end = 0;
+    for (auto it = shards.rbegin(); it != shards.rend(); ++it) {
+      if (OptimizerStateOf(m, it->tensor) >= 0) continue;
+      end = (end + 63) / 64 * 64;
+      start[it->tensor] = end;
+      ASSIGN_OR_RETURN(int64_t n, NumElements(it->local_shape));
+      ASSIGN_OR_RETURN(end, CheckedAdd(end, n));
+    }
+    end = (end + bucket_multiple - 1) / bucket_multiple * bucket_multiple;
+    const int64_t per_rank = end / dp;
+    for (int d = 0; d < dp; ++d) {
+      const int64_t lo = d * per_rank, hi = lo + per_rank;
+      Group& g = groups_[b * dp + d];
+      for (const TensorShard& shard : shards) {
+        const int param = OptimizerStateOf(m, shard.tensor);
+        if (param < 0) {
+          g.shards.push_back(shard);
+        } else {
+          auto it = start.find(param);
+          if (it == start.end()) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("tensor ", m.tensor(shard.tensor).name,
+                             " is optimizer state of ", m.tensor(param).name,
+                             ", which its stage does not hold"));
+          }
+          ASSIGN_OR_RETURN(int64_t n, NumElements(shard.local_shape));
+          const int64_t first = std::max(lo, it->second);
+          const int64_t last = std::min(hi, it->second + n);
+          if (first >= last) continue;  // another dp rank's
+          ASSIGN_OR_RETURN(TensorShard flat,
+                           FlatRange(shard, m.tensor(shard.tensor),
+                                     first - it->second, last - it->second));
+          flat.bucket_offset = first - lo;
+          g.shards.push_back(std::move(flat));
+        }
+        ASSIGN_OR_RETURN(g.bytes, CheckedAdd(g.bytes, g.shards.back().bytes));
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 Placement Placement::CreateFull(std::shared_ptr<const Model> model) {
@@ -280,7 +414,8 @@ Placement Placement::CreateFull(std::shared_ptr<const Model> model) {
     shard.tensor = i;
     shard.local_name = t.name;
     shard.local_shape = t.shape;
-    shard.pieces.push_back({Box::Full(t.shape), Box::Full(t.shape), false});
+    shard.pieces.push_back(
+        {Box::Full(t.shape), Box::Full(t.shape), false, -1, {}});
     shard.bytes = *TensorBytes(t.shape, t.dtype);  // checked by Model::Add
     p.groups_[0].bytes += shard.bytes;
     p.groups_[0].shards.push_back(std::move(shard));

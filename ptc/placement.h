@@ -31,6 +31,11 @@ struct ShardPiece {
   // config's tp (past the true rows), which no other shard holds.
   Box global;
   bool zero_fill = false;
+  // Where `local` is a box: in the local tensor (view_offset -1), or in a
+  // view of it, the view_shape tensor whose elements lie row-major from
+  // element view_offset on (the pieces of a flat range, under distopt).
+  int64_t view_offset = -1;
+  Shape view_shape;
 };
 
 // One tensor as one rank holds it.
@@ -44,6 +49,22 @@ struct TensorShard {
   // pieces cut to the chunk's rows: none for an empty chunk.
   std::vector<ShardPiece> pieces;
   int64_t bytes = 0;
+  // Under distopt, an optimizer state shard is 1-D: the elements
+  // [flat_begin, flat_begin + local_shape[0]) of the tp shard flattened,
+  // at element bucket_offset of the rank's part of its stage's buffer
+  // (Megatron's gbuf_local range). -1 otherwise.
+  int64_t flat_begin = -1;
+  int64_t bucket_offset = -1;
+
+  // The tensor a piece's local box indexes: its element offset in the
+  // local tensor and its shape.
+  int64_t ViewOffset(int piece) const {
+    return pieces[piece].view_offset < 0 ? 0 : pieces[piece].view_offset;
+  }
+  const Shape& ViewShape(int piece) const {
+    return pieces[piece].view_offset < 0 ? local_shape
+                                         : pieces[piece].view_shape;
+  }
 };
 
 class Placement {
@@ -99,7 +120,17 @@ class Placement {
   std::vector<int64_t> layers_per_stage_;
   std::vector<Group> groups_;
   std::vector<TiedCopy> tied_copies_;
+
+  // Turns the groups of (stage, tp rank) into one per dp rank: parameters
+  // whole, optimizer state cut as Megatron-Core's distributed optimizer
+  // cuts it.
+  absl::Status ExpandDistopt();
 };
+
+// The parameter whose optimizer state tensor `tensor` is, by name:
+// "optimizer.KEY.PARAM" of a tensor PARAM of the model; -1 for a tensor
+// that is not optimizer state.
+int OptimizerStateOf(const Model& model, int tensor);
 
 }  // namespace scalai
 

@@ -32,10 +32,12 @@ struct SourceBand {
 
 // The index of one tensor's old pieces. In one placement, two pieces of a
 // tensor hold the same rows or disjoint rows (tp may cut dimension 0, fsdp
-// cuts the rows of every tp shard alike), and within a stretch of rows they
-// differ only along the tp split dimension. So the index is sorted,
-// disjoint bands of rows, each holding sorted, disjoint boxes along `inner`
-// (the split dimension when it is not 0, else -1: one box per band).
+// cuts the rows of every tp shard alike, distopt's flat ranges cut rows
+// whole or one row at a time), and within a stretch of rows they differ
+// only along one dimension: the tp split dimension when it is not 0, else
+// dimension 1 (where distopt cuts a row). So the index is sorted, disjoint
+// bands of rows, each holding sorted, disjoint boxes along `inner` (-1 for
+// tensors of fewer than 2 dimensions: one box per band).
 // Lookups are binary searches, which keeps planning near-linear in the
 // number of pieces.
 struct TensorIndex {
@@ -80,7 +82,8 @@ absl::StatusOr<std::vector<TensorIndex>> BuildIndex(const Placement& from) {
     for (int k = 0; k < static_cast<int>(shards.size()); ++k) {
       const TensorShard& s = shards[k];
       TensorIndex& ti = index[s.tensor];
-      ti.inner = s.split_dim > 0 ? s.split_dim : -1;
+      const size_t dims = model.tensor(s.tensor).shape.size();
+      ti.inner = s.split_dim > 0 ? s.split_dim : (dims >= 2 ? 1 : -1);
       for (int p = 0; p < static_cast<int>(s.pieces.size()); ++p) {
         const ShardPiece& piece = s.pieces[p];
         if (piece.zero_fill) continue;
@@ -124,7 +127,10 @@ bool SamePieces(const TensorShard& a, const TensorShard& b) {
   for (size_t p = 0; p < a.pieces.size(); ++p) {
     const ShardPiece& x = a.pieces[p];
     const ShardPiece& y = b.pieces[p];
-    if (x.zero_fill != y.zero_fill || x.local != y.local) return false;
+    if (x.zero_fill != y.zero_fill || x.local != y.local ||
+        x.view_offset != y.view_offset || x.view_shape != y.view_shape) {
+      return false;
+    }
     if (!x.zero_fill && x.global != y.global) return false;
   }
   return true;
@@ -230,9 +236,10 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
       const TensorShard& dst = shards[k];
       const TensorIndex& ti = index[dst.tensor];
       std::vector<CopyOp>& ops = gp.ops[k];
-      for (const ShardPiece& piece : dst.pieces) {
+      for (int dp = 0; dp < static_cast<int>(dst.pieces.size()); ++dp) {
+        const ShardPiece& piece = dst.pieces[dp];
         if (piece.zero_fill) {
-          ops.push_back({piece.local, ShardRef{}, {}});
+          ops.push_back({piece.local, ShardRef{}, {}, dp, 0});
           continue;
         }
         // Every band of rows the piece meets, and in each every box along
@@ -265,7 +272,7 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
               src_origin[d] += sp.local.begin(d) - sp.global.begin(d);
             }
             ops.push_back({Box(std::move(dst_origin), common.shape()), h->shard,
-                           std::move(src_origin)});
+                           std::move(src_origin), dp, h->piece});
             inner_covered = Span(it->box, ti.inner).second;
           }
           if (inner_covered < ie) gap = true;
@@ -305,20 +312,47 @@ absl::StatusOr<std::vector<Segment>> ReshardPlan::Resolve(
                                               dst.bytes, " bytes"));
   }
   const std::vector<CopyOp>& ops = groups_[group].ops[shard];
-  const Shape dst_strides = RowMajorStrides(dst.local_shape);
-  const int rank = static_cast<int>(dst.local_shape.size());
   std::vector<Segment> out;
-  Shape idx(rank), src_idx(rank);
+  Shape idx, src_idx;
   size_t op_index = 0;
-  for (int64_t pos = offset; pos < end;) {
-    int64_t element = pos / elem, intra = pos % elem;
-    for (int d = 0; d < rank; ++d) {
-      idx[d] = element / dst_strides[d];
-      element %= dst_strides[d];
+  // A flat shard's pieces lie in views of it (distopt); every other
+  // shard's in the local tensor, where an element's index is found once.
+  const bool viewed =
+      std::any_of(dst.pieces.begin(), dst.pieces.end(),
+                  [](const ShardPiece& p) { return p.view_offset >= 0; });
+  const Shape local_strides = RowMajorStrides(dst.local_shape);
+  // Where element `element` of the local tensor lies in the view of piece
+  // `piece`: its index there, or false when outside the view.
+  auto index_in = [&](int piece, int64_t element) {
+    if (!viewed) {
+      idx.resize(dst.local_shape.size());
+      for (size_t d = 0; d < idx.size(); ++d) {
+        idx[d] = element / local_strides[d];
+        element %= local_strides[d];
+      }
+      return true;
     }
+    const int64_t at = element - dst.ViewOffset(piece);
+    const Shape& view = dst.ViewShape(piece);
+    int64_t n = 1;
+    for (int64_t e : view) n *= e;
+    if (at < 0 || at >= n) return false;
+    const Shape strides = RowMajorStrides(view);
+    idx.resize(view.size());
+    int64_t rest = at;
+    for (size_t d = 0; d < view.size(); ++d) {
+      idx[d] = rest / strides[d];
+      rest %= strides[d];
+    }
+    return true;
+  };
+  for (int64_t pos = offset; pos < end;) {
+    const int64_t element = pos / elem, intra = pos % elem;
+    if (!viewed) index_in(0, element);
     // Ops are ordered by position, so the next one usually follows the last.
     auto inside = [&](const CopyOp& op) {
-      for (int d = 0; d < rank; ++d) {
+      if (viewed && !index_in(op.dst_piece, element)) return false;
+      for (size_t d = 0; d < idx.size(); ++d) {
         if (idx[d] < op.dst.begin(d) || idx[d] >= op.dst.end(d)) return false;
       }
       return true;
@@ -332,20 +366,22 @@ absl::StatusOr<std::vector<Segment>> ReshardPlan::Resolve(
       }
     }
     const CopyOp& op = ops[op_index];
-    int64_t run = ContiguousRun(op.dst, dst.local_shape, idx);
+    int64_t run = ContiguousRun(op.dst, dst.ViewShape(op.dst_piece), idx);
     Segment seg;
     seg.dst_offset = pos;
     seg.src = op.src;
     if (op.src.valid()) {
       const TensorShard& src = from_->shards(op.src.group)[op.src.shard];
-      const Shape src_strides = RowMajorStrides(src.local_shape);
-      int64_t src_element = 0;
-      for (int d = 0; d < rank; ++d) {
+      const Shape& src_view = src.ViewShape(op.src_piece);
+      const Shape src_strides = RowMajorStrides(src_view);
+      int64_t src_element = src.ViewOffset(op.src_piece);
+      src_idx.resize(idx.size());
+      for (size_t d = 0; d < idx.size(); ++d) {
         src_idx[d] = op.src_origin[d] + idx[d] - op.dst.begin(d);
         src_element += src_idx[d] * src_strides[d];
       }
       run = std::min(run, ContiguousRun(Box(op.src_origin, op.dst.shape()),
-                                        src.local_shape, src_idx));
+                                        src_view, src_idx));
       seg.src_offset = src_element * elem + intra;
     }
     seg.length = std::min(run * elem - intra, end - pos);

@@ -30,10 +30,14 @@ struct ShardRef {
 
 // Fill `dst` of the destination shard from the same-shaped region at
 // `src_origin` of source shard `src`, or with zeros when !src.valid().
+// Both boxes are in the view of a piece (TensorShard::ViewShape): the
+// local tensor itself, or under distopt a view of a flat shard.
 struct CopyOp {
   Box dst;
   ShardRef src;
   Shape src_origin;
+  int dst_piece = 0;
+  int src_piece = 0;
 };
 
 // `length` bytes at `dst_offset` of a destination shard come from

@@ -140,8 +140,10 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
     } else {
       buffer.resize(dst.bytes);
       for (const CopyOp& op : plan.ops(r.group, r.shard)) {
+        std::byte* dst_view =
+            buffer.data() + dst.ViewOffset(op.dst_piece) * elem;
         if (!op.src.valid()) {
-          ZeroBox(buffer.data(), dst.local_shape, op.dst.origin(),
+          ZeroBox(dst_view, dst.ViewShape(op.dst_piece), op.dst.origin(),
                   op.dst.shape(), elem);
           continue;
         }
@@ -149,8 +151,10 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
         const StepBytes::Tensor& t = src.tensor(op.src);
         RETURN_IF_ERROR(t.Verify(0, s.bytes));
         if (!ReadMapped([&] {
-              CopyBox(t.data, s.local_shape, op.src_origin, buffer.data(),
-                      dst.local_shape, op.dst.origin(), op.dst.shape(), elem);
+              CopyBox(t.data + s.ViewOffset(op.src_piece) * elem,
+                      s.ViewShape(op.src_piece), op.src_origin, dst_view,
+                      dst.ViewShape(op.dst_piece), op.dst.origin(),
+                      op.dst.shape(), elem);
             })) {
           return t.blob->CutShort();
         }

@@ -90,7 +90,28 @@ INSTANTIATE_TEST_SUITE_P(
         BadConfig{"tp=1,pp=1,dp=6,fsdp=4", "fsdp=4 must divide dp=6"},
         BadConfig{"tp=1,pp=1,dp=4,fsdp=0", "fsdp=0 must be at least 1"},
         BadConfig{"tp=1,pp=1,dp=4,fsdp=2,fsdp=2", "fsdp given twice"},
-        BadConfig{"tp=1,pp=1,dp=4,distopt=1", "distopt"}));
+        BadConfig{"tp=1,pp=1,dp=4,distopt=2", "distopt=2 must be 0 or 1"},
+        BadConfig{"tp=1,pp=1,dp=4,distopt=1,distopt=1", "distopt given twice"},
+        BadConfig{"tp=1,pp=1,dp=4,fsdp=2,distopt=1",
+                  "fsdp and distopt=1 exclude each other"}));
+
+TEST(ParallelConfig, DistoptGivesEveryDpRankItsOwnGroup) {
+  auto c = ParallelConfig::Parse("dp=3,distopt=1,tp=2,pp=2");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->distopt());
+  EXPECT_EQ(c->ToString(), "tp=2,pp=2,dp=3,distopt=1");
+  EXPECT_EQ(*ParallelConfig::Parse(c->ToString()), *c);
+  EXPECT_EQ(c->num_shard_groups(), 12);
+  for (int rank = 0; rank < c->world_size(); ++rank) {
+    EXPECT_TRUE(c->SavesShard(rank));
+    EXPECT_EQ(c->SaverOfGroup(c->ShardGroup(rank)), rank);
+  }
+  // Rank 5: tp_rank 1, dp_rank 2, pp_rank 0: group (0 * 2 + 1) * 3 + 2.
+  EXPECT_EQ(c->ShardGroup(5), 5);
+  EXPECT_EQ(c->DescribeRank(5), "rank 5 (tp_rank 1, pp_rank 0, dp_rank 2)");
+  EXPECT_EQ(ParallelConfig::Parse("tp=1,pp=1,dp=2,distopt=0")->ToString(),
+            "tp=1,pp=1,dp=2");
+}
 
 TEST(ParallelConfig, FsdpGroupsRanksByChunkAndTheFirstRunSaves) {
   auto c = ParallelConfig::Parse("tp=2,pp=2,dp=4,fsdp=2");

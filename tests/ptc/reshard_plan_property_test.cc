@@ -119,7 +119,8 @@ Scenario RandomScenario(std::mt19937_64& rng) {
 }
 
 // A random config; explicit uneven stages now and then, and half the time
-// its state sharded across a divisor of dp (fsdp).
+// its state sharded across a divisor of dp (fsdp), else a third of the
+// time its optimizer state (distopt).
 ParallelConfig RandomConfig(std::mt19937_64& rng, int64_t layers) {
   static const int kTp[] = {1, 2, 3, 4, 6, 8, 16};
   int tp = kTp[rng() % 7];
@@ -137,6 +138,8 @@ ParallelConfig RandomConfig(std::mt19937_64& rng, int64_t layers) {
       if (dp % d == 0) divisors.push_back(d);
     }
     c = *c.WithFsdp(divisors[rng() % divisors.size()]);
+  } else if (rng() % 3 == 0) {
+    c = *c.WithDistopt(true);
   }
   return c;
 }
@@ -226,6 +229,68 @@ struct OracleShard {
 };
 using OracleGroup = std::map<std::string, OracleShard>;
 
+// Megatron-Core's distributed optimizer over the groups of (stage, tp
+// rank): per group, its parameters in reverse model order, each starting at
+// a multiple of 64 elements, the buffer's end padded to lcm(dp, 128); dp
+// rank d owns the d-th of dp equal parts, and holds of each parameter's
+// optimizer state ("optimizer.KEY.PARAM") the flat elements that fall in
+// it. Parameters stay whole on every dp rank.
+std::vector<OracleGroup> OracleDistopt(const Scenario& s,
+                                       const ParallelConfig& c,
+                                       const std::vector<OracleGroup>& base) {
+  const int dp = c.dp();
+  std::vector<OracleGroup> out(base.size() * dp);
+  auto param_of = [&](const std::string& global) -> int {
+    if (global.rfind("optimizer.", 0) != 0) return -1;
+    const std::string rest = global.substr(global.find('.', 10) + 1);
+    for (int t = 0; t < s.model->size(); ++t) {
+      if (s.model->tensor(t).name == rest) return t;
+    }
+    return -1;
+  };
+  for (size_t b = 0; b < base.size(); ++b) {
+    std::vector<std::pair<int, int64_t>> params;  // (tensor, elements)
+    for (const auto& [name, shard] : base[b]) {
+      if (param_of(s.model->tensor(shard.tensor).name) < 0) {
+        params.push_back(
+            {shard.tensor, static_cast<int64_t>(shard.elements.size())});
+      }
+    }
+    std::sort(params.rbegin(), params.rend());
+    std::map<int, int64_t> start;
+    int64_t end = 0;
+    for (const auto& [tensor, n] : params) {
+      end = (end + 63) / 64 * 64;
+      start[tensor] = end;
+      end += n;
+    }
+    const int64_t multiple = std::lcm(int64_t{dp}, int64_t{128});
+    end = (end + multiple - 1) / multiple * multiple;
+    for (int d = 0; d < dp; ++d) {
+      const int64_t lo = end / dp * d, hi = lo + end / dp;
+      OracleGroup& g = out[b * dp + d];
+      for (const auto& [name, shard] : base[b]) {
+        const TensorInfo& t = s.model->tensor(shard.tensor);
+        const int param = param_of(t.name);
+        if (param < 0) {
+          g[name] = shard;
+          continue;
+        }
+        const int64_t first = std::max(lo, start.at(param));
+        const int64_t last = std::min(
+            hi, start.at(param) + static_cast<int64_t>(shard.elements.size()));
+        if (first >= last) continue;
+        std::vector<int64_t> held(
+            shard.elements.begin() + (first - start.at(param)),
+            shard.elements.begin() + (last - start.at(param)));
+        Bytes bytes = OracleGather(s.full[shard.tensor], t, held);
+        g[name] = {shard.tensor, std::move(held), std::move(bytes)};
+      }
+    }
+  }
+  return out;
+}
+
 std::vector<OracleGroup> OracleGroups(const Scenario& s,
                                       const ParallelConfig& c) {
   std::vector<int64_t> per_stage = c.stages();
@@ -239,7 +304,8 @@ std::vector<OracleGroup> OracleGroups(const Scenario& s,
                           ? "model\\.layers\\.(\\d+)\\."
                           : "decoder\\.layers\\.(\\d+)\\.");
   // Group (stage * tp + tp_rank) * fsdp + chunk, as
-  // ParallelConfig::ShardGroup numbers them (checked against it below).
+  // ParallelConfig::ShardGroup numbers them (checked against it below);
+  // under distopt, OracleDistopt makes one of each per dp rank.
   const int fsdp = c.fsdp();
   std::vector<OracleGroup> groups(c.tp() * c.pp() * fsdp);
   for (int i = 0; i < s.model->size(); ++i) {
@@ -282,6 +348,7 @@ std::vector<OracleGroup> OracleGroups(const Scenario& s,
       }
     }
   }
+  if (c.distopt()) return OracleDistopt(s, c, groups);
   return groups;
 }
 
@@ -315,15 +382,18 @@ std::vector<std::vector<Bytes>> ApplyOps(
       const int elem = DTypeSize(plan.to().model().tensor(dst.tensor).dtype);
       Bytes bytes(dst.bytes, std::byte{0x5a});
       for (const CopyOp& op : plan.ops(g, k)) {
+        std::byte* view = bytes.data() + dst.ViewOffset(op.dst_piece) * elem;
         if (!op.src.valid()) {
-          ZeroBox(bytes.data(), dst.local_shape, op.dst.origin(),
+          ZeroBox(view, dst.ViewShape(op.dst_piece), op.dst.origin(),
                   op.dst.shape(), elem);
           continue;
         }
         const TensorShard& s = plan.from().shards(op.src.group)[op.src.shard];
-        CopyBox(src[op.src.group][op.src.shard].data(), s.local_shape,
-                op.src_origin, bytes.data(), dst.local_shape, op.dst.origin(),
-                op.dst.shape(), elem);
+        CopyBox(src[op.src.group][op.src.shard].data() +
+                    s.ViewOffset(op.src_piece) * elem,
+                s.ViewShape(op.src_piece), op.src_origin, view,
+                dst.ViewShape(op.dst_piece), op.dst.origin(), op.dst.shape(),
+                elem);
       }
       out[g].push_back(std::move(bytes));
     }
@@ -377,13 +447,14 @@ void ExpectOpsTileEachShardOnce(const ReshardPlan& plan) {
       const TensorShard& dst = plan.to().shards(g)[k];
       const int64_t elems = *NumElements(dst.local_shape);
       std::vector<int> count(elems, 0);
-      const Shape strides = RowMajorStrides(dst.local_shape);
       for (const CopyOp& op : plan.ops(g, k)) {
-        ASSERT_TRUE(Box::Full(dst.local_shape).Contains(op.dst))
-            << op.dst.ToString();
+        const Shape& view = dst.ViewShape(op.dst_piece);
+        const Shape strides = RowMajorStrides(view);
+        ASSERT_TRUE(Box::Full(view).Contains(op.dst)) << op.dst.ToString();
+        ASSERT_LE(dst.ViewOffset(op.dst_piece) + *NumElements(view), elems);
         const int64_t n = *op.dst.NumElements();
         for (int64_t e = 0; e < n; ++e) {
-          int64_t rest = e, flat = 0;
+          int64_t rest = e, flat = dst.ViewOffset(op.dst_piece);
           for (int d = op.dst.rank() - 1; d >= 0; --d) {
             flat += (op.dst.begin(d) + rest % op.dst.shape()[d]) * strides[d];
             rest /= op.dst.shape()[d];
@@ -446,10 +517,11 @@ TEST_P(ReshardPlanProperty, PlanTurnsShardsOfAIntoShardsOfBAndBack) {
     for (int r = 0; r < c.world_size(); ++r) {
       const int tp_rank = r % c.tp(), dp_rank = r / c.tp() % c.dp(),
                 pp_rank = r / (c.tp() * c.dp());
+      const int shards = c.distopt() ? c.dp() : c.fsdp();
       ASSERT_EQ(c.ShardGroup(r),
-                (pp_rank * c.tp() + tp_rank) * c.fsdp() + dp_rank % c.fsdp())
+                (pp_rank * c.tp() + tp_rank) * shards + dp_rank % shards)
           << c.ToString() << " rank " << r;
-      EXPECT_EQ(c.SavesShard(r), dp_rank < c.fsdp());
+      EXPECT_EQ(c.SavesShard(r), dp_rank < shards);
       if (c.SavesShard(r)) {
         EXPECT_EQ(c.SaverOfGroup(c.ShardGroup(r)), r);
       }
@@ -544,8 +616,9 @@ TEST(ReshardPlan, PureDataParallelChangeMovesNothing) {
     if (!pa.ok()) continue;
     auto b =
         *ParallelConfig::Create(a.tp(), a.pp(), a.dp() % 16 + 1, a.stages());
-    // Under fsdp, the runs that hold one copy each stay as they were.
-    if (b.dp() % a.fsdp() != 0) continue;
+    // Under fsdp, the runs that hold one copy each stay as they were;
+    // under distopt the optimizer state is cut anew, so it moves.
+    if (b.dp() % a.fsdp() != 0 || a.distopt()) continue;
     b = *b.WithFsdp(a.fsdp());
     auto pb = Placement::Create(s.layout, s.model, b);
     ASSERT_TRUE(pb.ok()) << pb.status();
