@@ -67,9 +67,15 @@ json RankJsonTensor(const TensorInfo& t, const TensorShard& s) {
               {"global_offset", piece.global.origin()},
               {"shape", piece.local.shape()}};
     if (piece.zero_fill) p["padding"] = true;
+    if (piece.view_offset >= 0) {
+      // A flat shard's piece: `offset` is in a view, the view_shape
+      // elements from element view_offset on.
+      p["view_offset"] = piece.view_offset;
+      p["view_shape"] = piece.view_shape;
+    }
     pieces.push_back(std::move(p));
   }
-  return {
+  json out = {
       {"global_name", t.name},
       {"dtype", DTypeName(t.dtype)},
       {"shape", s.local_shape},
@@ -77,6 +83,11 @@ json RankJsonTensor(const TensorInfo& t, const TensorShard& s) {
       {"global_offset", s.pieces.empty() ? Shape(t.shape.size(), 0)
                                          : s.pieces.front().global.origin()},
       {"pieces", std::move(pieces)}};
+  if (s.flat_begin >= 0) {
+    out["flat_begin"] = s.flat_begin;
+    out["bucket_offset"] = s.bucket_offset;
+  }
+  return out;
 }
 
 // Counts the nodes the views of `config` would take, from the placement

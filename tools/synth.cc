@@ -140,18 +140,20 @@ absl::Status WriteSynthShard(const Placement& placement, int rank,
     const TensorShard& s = shards[i];
     const TensorInfo& t = model.tensor(s.tensor);
     const int elem = DTypeSize(t.dtype);
-    const Shape local_strides = RowMajorStrides(s.local_shape);
     const Shape global_strides = RowMajorStrides(t.shape);
     const int rank_dims = static_cast<int>(t.shape.size());
-    for (const ShardPiece& piece : s.pieces) {
+    for (int p = 0; p < static_cast<int>(s.pieces.size()); ++p) {
+      const ShardPiece& piece = s.pieces[p];
       if (piece.zero_fill || piece.local.empty())
         continue;  // the buffer starts zeroed
+      // The piece's box indexes the local tensor, or a view of it (distopt).
+      const Shape local_strides = RowMajorStrides(s.ViewShape(p));
       // One call per row along the last dim, which is contiguous in both.
       const int64_t row = rank_dims == 0 ? 1 : piece.local.shape().back();
       const int outer_dims = std::max(0, rank_dims - 1);
       Shape idx(outer_dims, 0);
       while (true) {
-        int64_t local = 0, global = 0;
+        int64_t local = s.ViewOffset(p), global = 0;
         for (int d = 0; d < outer_dims; ++d) {
           local += (piece.local.begin(d) + idx[d]) * local_strides[d];
           global += (piece.global.begin(d) + idx[d]) * global_strides[d];

@@ -119,7 +119,24 @@ absl::StatusOr<Model> InferModel(
     const std::vector<const SourceFile*>& group_files) {
   const int tp = config.tp(), pp = config.pp(), fsdp = config.fsdp();
   // The pipeline stage of a group.
-  auto stage = [&](size_t g) { return static_cast<int>(g) / fsdp / tp; };
+  auto stage = [&](size_t g) {
+    return static_cast<int>(g) / config.dp_shards() / tp;
+  };
+  // Under distopt, optimizer state is 1-D, a part of its parameter on each
+  // dp rank: it takes its parameter's shape once every parameter is known.
+  auto distopt_state = [&](const SourceFile& file, const std::string& name) {
+    if (!config.distopt() || !absl::StartsWith(name, "optimizer.")) {
+      return std::string();
+    }
+    const size_t dot = name.find('.', 10);
+    if (dot == std::string::npos) return std::string();
+    const std::string param = name.substr(dot + 1);
+    for (const SafetensorsEntry& e : file.header.tensors()) {
+      if (e.name == param) return param;
+    }
+    return std::string();
+  };
+  std::vector<std::pair<std::string, const SafetensorsEntry*>> states;
   struct Seen {
     TensorRule rule;
     int64_t local_layer = 0;
@@ -168,9 +185,6 @@ absl::StatusOr<Model> InferModel(
   Model model;
   std::map<std::string, std::string> first_holder;  // global name -> label
   for (size_t g = 0; g < group_files.size(); ++g) {
-    // Under fsdp, the first chunk's group names every tensor of its
-    // (tp, pp) slice; the rows of all its chunks make the slice's rows.
-    if (config.ChunkOfGroup(static_cast<int>(g)) != 0) continue;
     const SourceFile& file = *group_files[g];
     for (size_t i = 0; i < file.header.tensors().size(); ++i) {
       const SafetensorsEntry& e = file.header.tensors()[i];
@@ -183,6 +197,14 @@ absl::StatusOr<Model> InferModel(
             s.local_layer + first[stage(g)],
             e.name.substr(s.rule.layer_digits_pos + s.rule.layer_digits_len));
       }
+      if (!distopt_state(file, e.name).empty()) {
+        states.push_back({global_name, &e});
+        continue;
+      }
+      // Under fsdp, the first chunk's group names every tensor of its
+      // (tp, pp) slice; the rows of all its chunks make the slice's rows.
+      // Under distopt, every dp rank holds the parameters whole.
+      if (config.ChunkOfGroup(static_cast<int>(g)) != 0) continue;
       Shape shape = e.shape;
       for (int c = 1; c < fsdp && !shape.empty(); ++c) {
         for (const SafetensorsEntry& other :
@@ -220,6 +242,13 @@ absl::StatusOr<Model> InferModel(
       first_holder[global_name] = file.label;
       RETURN_IF_ERROR(model.Add({global_name, e.dtype, shape}));
     }
+  }
+  for (const auto& [global_name, e] : states) {
+    if (model.Find(global_name) != nullptr) continue;
+    const TensorInfo* param =
+        model.Find(global_name.substr(global_name.find('.', 10) + 1));
+    if (param == nullptr) continue;  // the placement names what is amiss
+    RETURN_IF_ERROR(model.Add({global_name, e->dtype, param->shape}));
   }
   return model;
 }
