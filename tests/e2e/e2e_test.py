@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """The mission end to end (scenario.py): a PyTorch GPT with tensor, pipeline
 and data parallelism trains through a Scalai mount while its config changes
-four times (the world shrinks, shrinks again, grows; tp, pp, dp and the
-sharding of its state across dp ranks, fsdp, each change), restarting from checkpoints saved through the mount each time. Every
+five times (the world shrinks, shrinks again, grows; tp, pp, dp and the
+sharding of its state across dp ranks, FSDP/HSDP and Megatron's distributed
+optimizer, each change), restarting from checkpoints saved through the mount each time. Every
 global batch's sample ids must equal the uninterrupted job's, every loss and
 the final parameters must match it within 1e-9 relative (float64), and the
 store must pass fsck. Exits 77 only where /dev/fuse is missing."""
@@ -32,6 +33,7 @@ def main():
     sharding = [int(k.get("fsdp", 1)) for k in keys]
     assert len(set(sharding)) > 1, sharding
     assert any(1 < s < int(k["dp"]) for s, k in zip(sharding, keys)), configs  # HSDP
+    assert any(k.get("distopt") == "1" and int(k["dp"]) > 1 for k in keys), configs  # ZeRO-1
     work = tempfile.mkdtemp(prefix="scalai-e2e.", dir="/var/tmp")
     try:
         result = scenario.run(os.path.abspath(sys.argv[1]), work)

@@ -38,10 +38,11 @@ DIVISOR = 8
 BATCH, SEQUENCES, EPOCHS = 8, 100, 2
 UNINTERRUPTED = "tp=1,pp=1,dp=1"
 # (config, iterations): start, two GPUs fail, down to one, then four granted,
-# and the state sharded FSDP-style (fsdp=2) and as HSDP (two replicas of
-# two shards) on the way.
+# and the state sharded on the way: FSDP-style (fsdp=2), Megatron's
+# distributed optimizer (distopt=1) and HSDP (two replicas of two shards).
 PHASES = [("tp=2,pp=2,dp=1", 4), ("tp=1,pp=2,dp=2,fsdp=2", 4), ("tp=1,pp=1,dp=1", 4),
-          ("tp=2,pp=1,dp=2", 4), ("tp=1,pp=1,dp=4,fsdp=2", 4)]
+          ("tp=2,pp=1,dp=2,distopt=1", 4), ("tp=1,pp=1,dp=4,fsdp=2", 4),
+          ("tp=1,pp=1,dp=3,distopt=1", 4)]
 TOLERANCE = 1e-9
 
 

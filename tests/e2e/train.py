@@ -9,11 +9,17 @@ fsdp=S in the config FSDP's sharding (HSDP when S < dp): each rank holds
 chunk dp_rank % S of every tensor and of Adam's moments, cut on dim 0 as
 torch.chunk cuts, gathers the whole tensors from its S-rank shard group
 before use, and reduce-scatters the gradients back to their chunks (then
-all-reduces them across the dp/S replicas). CPU, float64,
+all-reduces them across the dp/S replicas), or with distopt=1 Megatron-Core's
+distributed optimizer (ZeRO-1): parameters whole on every dp rank, Adam's
+moments of the dp rank's part of the stage's buffer only (parameters in
+reverse order, each starting at a multiple of 64 elements, the end padded
+to lcm(dp, 128)), gradients reduce-scattered over that buffer and the
+updated parameters all-gathered. CPU, float64,
 torch.distributed with gloo. Its data and its checkpoints go only through a
 Scalai mount: each data-parallel rank reads its samples from
 MOUNT/data/NAME/rank-D/, each rank loads MOUNT/ckpt/latest/rank-R/ and, at
-the end, the ranks with dp_rank 0 (dp_rank < S under fsdp) save
+the end, the ranks with dp_rank 0 (dp_rank < S under fsdp, every rank
+under distopt) save
 MOUNT/ckpt/step-N/rank-R/ (Adam's
 moments saved per parameter as optimizer.exp_avg.NAME and
 optimizer.exp_avg_sq.NAME, so they reshard with it; the iteration and Adam's
@@ -83,6 +89,7 @@ class Topology:
     def __init__(self, config, rank):
         self.tp, self.pp, self.dp = (int(config[k]) for k in ("tp", "pp", "dp"))
         self.fsdp = int(config.get("fsdp", 1))
+        self.distopt = config.get("distopt") == "1"
         self.rank = rank
         self.tp_rank = rank % self.tp
         self.dp_rank = rank // self.tp % self.dp
@@ -164,6 +171,20 @@ class ReduceFromTP(torch.autograd.Function):
 
 # --- the model -----------------------------------------------------------------
 
+def megatron_buffer(params, dp):
+    """Where Megatron-Core's distributed optimizer puts each parameter in
+    its stage's buffer: [(name, start, numel)] walking the parameters in
+    reverse order, each start padded to 64 elements; and the buffer's size,
+    padded to lcm(dp, 128)."""
+    out, at = [], 0
+    for name, numel in reversed(params):
+        at = -(-at // 64) * 64
+        out.append((name, at, numel))
+        at += numel
+    multiple = math.lcm(dp, 128)
+    return out, -(-at // multiple) * multiple
+
+
 def chunk_bounds(rows, s, c):
     """torch.chunk's chunk c of s over `rows` rows: ceil(rows/s) each, the
     last ones smaller or empty."""
@@ -182,10 +203,25 @@ class Stage:
         self.first_layer, self.num_layers = stage_layers(m["layers"], topo.pp, topo.pp_rank)
         self.owned = {name: torch.tensor(arr, dtype=DTYPE)
                       for name, arr in tensors.items() if not name.startswith("optimizer.")}
+        # Under distopt: this dp rank's part [lo, hi) of the buffer, and of
+        # each parameter that reaches into it, the flat range [a, b) whose
+        # moments it holds, at `at` in its part.
+        self.ranges = {}
+        if topo.distopt:
+            self.buffer, size = megatron_buffer([(n, t.numel()) for n, t in self.owned.items()],
+                                                topo.dp)
+            per = size // topo.dp
+            self.lo, self.hi = topo.dp_rank * per, (topo.dp_rank + 1) * per
+            for name, start, numel in self.buffer:
+                a, b = max(start, self.lo), min(start + numel, self.hi)
+                if a < b:
+                    self.ranges[name] = (a - start, b - start, a - self.lo)
+            held = {n[len("optimizer.exp_avg."):] for n in tensors if n.startswith("optimizer.exp_avg.")}
+            assert held == set(self.ranges), (sorted(held), sorted(self.ranges))
         self.exp_avg = {n: torch.tensor(tensors["optimizer.exp_avg." + n], dtype=DTYPE)
-                        for n in self.owned}
+                        for n in (self.ranges if topo.distopt else self.owned)}
         self.exp_avg_sq = {n: torch.tensor(tensors["optimizer.exp_avg_sq." + n], dtype=DTYPE)
-                           for n in self.owned}
+                           for n in self.exp_avg}
         # The rows of each whole (tp-local) tensor: the chunks' rows summed.
         self.rows = {}
         for name, t in self.owned.items():
@@ -339,7 +375,49 @@ class Stage:
             dist.all_reduce(mine, group=topo.replica_group)
         return mine
 
+    def adam_distopt(self, t):
+        """ZeRO-1 as Megatron-Core does it: the gradients, flattened into
+        the buffer, reduce-scattered over the dp ranks (gloo has no
+        reduce-scatter: one reduce per part, to its owner); Adam on this
+        rank's part; the updated parts all-gathered back into every
+        parameter."""
+        topo = self.topo
+        size = self.hi - self.lo
+        grads = torch.zeros(size * topo.dp, dtype=DTYPE)
+        for name, start, numel in self.buffer:
+            grads[start:start + numel] = self.params[name].grad.reshape(-1)
+        mine = grads[self.lo:self.hi].clone()
+        if topo.dp > 1:
+            for r in range(topo.dp):
+                part = grads[r * size:(r + 1) * size].clone()
+                dist.reduce(part, dst=topo.rank_of(topo.tp_rank, r, topo.pp_rank),
+                            group=topo.dp_group)
+                if r == topo.dp_rank:
+                    mine = part
+        updated = torch.zeros(size, dtype=DTYPE)
+        for name, (a, b, at) in self.ranges.items():
+            g = mine[at:at + b - a]
+            m, v = self.exp_avg[name], self.exp_avg_sq[name]
+            m.mul_(ADAM["b1"]).add_(g, alpha=1 - ADAM["b1"])
+            v.mul_(ADAM["b2"]).addcmul_(g, g, value=1 - ADAM["b2"])
+            mhat = m / (1 - ADAM["b1"] ** t)
+            vhat = v / (1 - ADAM["b2"] ** t)
+            p = self.owned[name].reshape(-1)[a:b].clone()
+            p -= ADAM["lr"] * mhat / (vhat.sqrt() + ADAM["eps"])
+            updated[at:at + b - a] = p
+        parts = [torch.empty(size, dtype=DTYPE) for _ in range(topo.dp)]
+        if topo.dp > 1:
+            dist.all_gather(parts, updated, group=topo.dp_group)
+        else:
+            parts = [updated]
+        whole = torch.cat(parts)
+        for name, start, numel in self.buffer:
+            self.owned[name] = whole[start:start + numel].reshape(self.owned[name].shape).clone()
+        self.params = {}
+
     def adam(self, t):
+        if self.topo.distopt:
+            return self.adam_distopt(t)
         for name, p in self.owned.items():
             g = self.chunk_grad(name)
             m, v = self.exp_avg[name], self.exp_avg_sq[name]
@@ -354,6 +432,8 @@ class Stage:
         out = {}
         for name, p in self.owned.items():
             out[name] = p.numpy()
+            if name not in self.exp_avg:  # another dp rank's, under distopt
+                continue
             out["optimizer.exp_avg." + name] = self.exp_avg[name].numpy()
             out["optimizer.exp_avg_sq." + name] = self.exp_avg_sq[name].numpy()
         return out
@@ -395,6 +475,15 @@ def main():
         state = {"iteration": step, "adam_step": step}
     assert state["iteration"] == step, (state, meta)
     stage = Stage(m, topo, tensors)
+    if topo.distopt:
+        # The mount's rank.json places each part of the moments as this
+        # worker's own reading of Megatron's rule does.
+        with open(f"{ckpt}/rank.json") as f:
+            placed = json.load(f)["tensors"]
+        for name, (a, b, at) in stage.ranges.items():
+            info = placed["optimizer.exp_avg." + name]
+            assert (info["flat_begin"], info["bucket_offset"], info["shape"]) == (a, at, [b - a]), \
+                (name, info, (a, b, at))
 
     data = f"{mnt}/data/{args.dataset}"
     with open(f"{data}/dataset.json") as f:
@@ -431,7 +520,7 @@ def main():
     done = state["iteration"] + args.iterations
     if args.save:
         dist.barrier()
-        if topo.dp_rank < topo.fsdp:
+        if topo.dp_rank < topo.fsdp or topo.distopt:
             out = f"{mnt}/ckpt/step-{done:08d}/rank-{rank:05d}"
             os.makedirs(f"{out}/extra", exist_ok=True)
             with open(f"{out}/extra/state.json", "w") as f:
