@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Reconfiguration on a real mount: a random walk of parallel configs (tp, pp,
-dp, stages and fsdp sharding changing alone and together, the world growing
-and shrinking)
+dp, stages and the sharding across dp ranks, fsdp or distopt, changing
+alone and together, the world growing and shrinking)
 over a synthetic GPT with SwiGLU and vocab padding. After every switch, and
 again after its materialization, every byte of every rank must equal numpy
 slicing of the full tensors; the executor's byte counters must equal what
@@ -25,8 +25,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import require_fuse, serve, test_seed  # noqa
-from reference import (fsdp_of, parse_config, rank_shards, random_gpt, scalai,  # noqa
-                       write_safetensors)
+from reference import (distopt_of, fsdp_of, parse_config, rank_shards, random_gpt,  # noqa
+                       scalai, write_safetensors)
 from views import check_bytes, expected, status, wait_ready  # noqa
 
 BIN = sys.argv[1]
@@ -45,7 +45,9 @@ def run(*args, expect=0):
 
 
 def make_config(tp, pp, dp, stages, fsdp=1):
+    """fsdp 0 stands for distopt=1."""
     c = f"tp={tp},pp={pp},dp={dp}" + (f",fsdp={fsdp}" if fsdp > 1 else "")
+    c += ",distopt=1" if fsdp == 0 else ""
     return c + ",stages=" + ":".join(map(str, stages)) if stages else c
 
 
@@ -62,7 +64,7 @@ def next_config(r, config):
     """Changes one thing (tp, pp, dp, the stages or the fsdp sharding) or
     several at once."""
     tp, pp, dp, stages = parse_config(config)
-    fsdp = fsdp_of(config)
+    fsdp = 0 if distopt_of(config) else fsdp_of(config)
     while True:
         kind = r.choice(["tp", "pp", "dp", "stages", "fsdp", "all", "all"])
         ntp, npp, ndp, nstages, nfsdp = tp, pp, dp, stages, fsdp
@@ -75,8 +77,8 @@ def next_config(r, config):
             ndp = r.randint(1, 4)
         if kind == "stages":
             nstages = random_stages(r, pp)
-        if kind in ("fsdp", "all") or ndp % nfsdp:
-            nfsdp = r.choice([d for d in range(1, ndp + 1) if ndp % d == 0])
+        if kind in ("fsdp", "all") or (nfsdp and ndp % nfsdp):
+            nfsdp = r.choice([d for d in range(0, ndp + 1) if d == 0 or ndp % d == 0])
         new = make_config(ntp, npp, ndp, nstages, nfsdp)
         if new != config and ntp * npp * ndp <= 24:
             return new
@@ -203,7 +205,7 @@ def walk(r, mnt, full, readers):
         old_world, new_world = (np.prod(parse_config(c)[:3]) for c in (config, new))
         grown += new_world > old_world
         shrunk += new_world < old_world
-        sharded += fsdp_of(new) > 1
+        sharded += fsdp_of(new) > 1 or distopt_of(new)
         print(f"{config:>28} -> {new:<28} moved {planned:>9} bytes (= plan)")
         config = new
     assert grown and shrunk and sharded, (grown, shrunk, sharded)

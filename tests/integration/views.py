@@ -7,13 +7,13 @@ import time
 
 import numpy as np
 
-from reference import fsdp_of, parse_config, read_safetensors, rank_shards
+from reference import distopt_of, fsdp_of, parse_config, read_safetensors, rank_shards
 
 
 def expected(full, config, layers, divisor):
     """{rank: {local name: array}} for every rank of `config`, replicas included."""
     tp, pp, dp, _ = parse_config(config)
-    s = fsdp_of(config)
+    s = dp if distopt_of(config) else fsdp_of(config)
     base = rank_shards(full, config, True, divisor, layers)
     return {r: base[((r // (tp * dp)) * dp + (r // tp) % dp % s) * tp + r % tp]
             for r in range(tp * pp * dp)}

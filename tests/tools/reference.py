@@ -2,6 +2,7 @@
 own, docs/reference.md's megatron-core-gpt partitioning written with numpy, and a
 random full model. Nothing here calls scalai."""
 import json
+import math
 import re
 import struct
 import subprocess
@@ -76,6 +77,40 @@ def parse_config(config):
     return tp, pp, dp, ([int(s) for s in m.group(1).split(":")] if m else None)
 
 
+def distopt_of(config):
+    """Whether the config says distopt=1."""
+    return re.search(r"distopt=1", config) is not None
+
+
+def distopt_parts(shard, dp):
+    """Megatron-Core's distributed optimizer over one (stage, tp) shard
+    ({local name: array}, in the model's order): the parameters in reverse
+    order, each starting at a multiple of 64 elements, the buffer's end
+    padded to lcm(dp, 128); dp rank d owns the d-th of dp equal parts and
+    holds, of each parameter's optimizer state (optimizer.KEY.PARAM), the
+    flat elements in its part. Parameters stay whole. One dict per dp rank."""
+    at, starts = 0, {}
+    for name in reversed([n for n in shard if not n.startswith("optimizer.")]):
+        at = -(-at // 64) * 64
+        starts[name] = at
+        at += shard[name].size
+    multiple = math.lcm(dp, 128)
+    per = -(-at // multiple) * multiple // dp
+    parts = []
+    for d in range(dp):
+        lo, hi, part = d * per, (d + 1) * per, {}
+        for name, x in shard.items():
+            if not name.startswith("optimizer."):
+                part[name] = x
+                continue
+            start = starts[name.split(".", 2)[2]]
+            a, b = max(start, lo), min(start + x.size, hi)
+            if a < b:
+                part[name] = x.reshape(-1)[a - start:b - start]
+        parts.append(part)
+    return parts
+
+
 def fsdp_of(config):
     """S of ",fsdp=S", 1 without it."""
     m = re.search(r"fsdp=(\d+)", config)
@@ -107,9 +142,11 @@ def slice_tensor(x, name, tp, t, gated, divisor):
 
 def rank_shards(full, config, gated, divisor, layers):
     """{rank: {local name: array}} for every rank that saves: dp_rank 0, or
-    under fsdp=S the first S dp ranks, each with its chunk."""
+    under fsdp=S the first S dp ranks, each with its chunk, or under
+    distopt=1 every rank, each with its part of the optimizer state."""
     tp, pp, dp, stages = parse_config(config)
     fsdp = fsdp_of(config)
+    distopt = distopt_of(config)
     if stages is None:
         stages = [layers // pp + (1 if p < layers % pp else 0) for p in range(pp)]
     first = [sum(stages[:p]) for p in range(pp)]
@@ -130,6 +167,10 @@ def rank_shards(full, config, gated, divisor, layers):
                         continue
                     local = name
                 shard[local] = slice_tensor(x, name, tp, t, gated, divisor)
+            if distopt:
+                for d, part in enumerate(distopt_parts(shard, dp)):
+                    out[(p * dp + d) * tp + t] = part
+                continue
             for c in range(fsdp):
                 out[(p * dp + c) * tp + t] = {k: chunk(v, fsdp, c) for k, v in shard.items()}
     return out

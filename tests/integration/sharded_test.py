@@ -1,5 +1,5 @@
 #!/usr/bin/python3
-"""State sharded across data-parallel ranks (fsdp=S) on a real mount: a step
+"""State sharded across data-parallel ranks on a real mount. fsdp=S: a step
 saved under tp=2,pp=2,dp=4,fsdp=2 by the numpy reference (every tensor cut
 on dim 0 into torch.chunk chunks after its tp split) is imported, served,
 saved again through the mount by the ranks of the first run only (dp_rank <
@@ -7,7 +7,12 @@ S), and read back under configs with and without fsdp, every byte equal to
 numpy slicing. A chunk of the wrong size fails its close() with EIO and
 `status` names the tensor, the rank and its chunk; a replica (dp_rank >= S)
 that joins with a differing chunk is refused; export and import round-trip
-the sharded step. Exits 77 only where /dev/fuse is missing."""
+the sharded step. distopt=1: a model with Adam's moments saved under
+tp=2,pp=2,dp=3,distopt=1 by the numpy reference (Megatron-Core's buffer
+layout, written there independently) is imported, served, resharded across
+configs with and without it, saved through the mount by every rank, and a
+part of the moments of the wrong size is refused. Exits 77 only where
+/dev/fuse is missing."""
 import errno
 import json
 import os
@@ -145,7 +150,67 @@ def main():
             assert np.array_equal(got[k], x), k
         print("exported under tp=1,pp=2,dp=3,fsdp=3, imported into a new store, merged: "
               "the model as it was")
-    print("fsdp test: ok")
+        distopt(tmp, mounts, full)
+    print("sharded test: ok")
+
+
+def distopt(tmp, mounts, params):
+    """Megatron's distributed optimizer: the moments cut flat per dp rank."""
+    rng = np.random.default_rng(5)
+    full = dict(params)
+    for name, x in params.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            full[f"optimizer.{key}.{name}"] = rng.standard_normal(x.shape).astype(x.dtype)
+    config = "tp=2,pp=2,dp=3,distopt=1"
+    src, store, mnt = f"{tmp}/dsrc", f"{tmp}/dstore", f"{tmp}/dmnt"
+    saved = rank_shards(full, config, True, DIVISOR, LAYERS)
+    assert sorted(saved) == list(range(12)), sorted(saved)  # every rank saves
+    # dp rank 0 of (tp 0, pp 0) holds the moments of the last parameters
+    # only (the buffer runs backwards); its parameters are whole.
+    assert not any(k.startswith("optimizer.") and "embedding" in k for k in saved[0]), saved[0]
+    for rank, shard in saved.items():
+        os.makedirs(f"{src}/rank-{rank:05d}")
+        write_safetensors(f"{src}/rank-{rank:05d}/model.safetensors", shard)
+    run("init", store, *LAYOUT)
+    run("import", store, src, "--config", config, "--step", "100")
+    os.makedirs(mnt)
+    run("mount", store, mnt)
+    mounts.add(mnt)
+    check_bytes(mnt, full, config, LAYERS, DIVISOR)
+    info = json.load(open(f"{mnt}/ckpt/latest/rank-00004/rank.json"))["tensors"]
+    flat = [v for k, v in info.items() if k.startswith("optimizer.") and v["shape"] != v["global_shape"]]
+    assert flat and all(len(v["shape"]) == 1 and "flat_begin" in v for v in flat), info
+    for other in ("tp=1,pp=1,dp=4,distopt=1", "tp=2,pp=1,dp=2,fsdp=2", "tp=1,pp=2,dp=5,distopt=1"):
+        run("reconfigure", mnt, other, "--wait")
+        check_bytes(mnt, full, other, LAYERS, DIVISOR)
+    run("reconfigure", mnt, config, "--wait")
+    print(f"imported {config}: every rank's parameters and parts of the moments equal "
+          "numpy, and under 3 other configs")
+    # Saved through the mount by all 12 ranks; one part of the wrong size
+    # first.
+    full2 = {k: (v * 2 + 1).astype(v.dtype) for k, v in full.items()}
+    want = expected(full2, config, LAYERS, DIVISOR)
+    name = next(k for k in want[4] if k.startswith("optimizer.") and want[4][k].ndim == 1
+                and want[4][k].size > 1)
+    wrong = dict(want[4])
+    wrong[name] = want[4][name][:-1]
+    step = f"{mnt}/ckpt/step-00000200"
+    assert write_shard(f"{step}/rank-00004/model.safetensors", wrong, 4) == errno.EIO
+    err = status(mnt)["error"]
+    assert (f"tensor {name}: expected [{want[4][name].size}] on rank 4 (tp_rank 0, pp_rank 0, "
+            f"dp_rank 2), got [{want[4][name].size - 1}]") in err, err
+    print(f"refused (wrong part): {err}")
+    for rank in range(12):
+        assert write_shard(f"{step}/rank-{rank:05d}/model.safetensors", want[rank], rank) == 0, \
+            (rank, status(mnt))
+    assert latest(mnt) == "step-00000200", (latest(mnt), status(mnt))
+    check_bytes(mnt, full2, config, LAYERS, DIVISOR)
+    run("reconfigure", mnt, "tp=1,pp=1,dp=1", "--wait")
+    check_bytes(mnt, full2, "tp=1,pp=1,dp=1", LAYERS, DIVISOR)
+    run("umount", mnt)
+    mounts.discard(mnt)
+    run("fsck", store)
+    print("saved by every rank under distopt, read back whole under tp=1,pp=1,dp=1")
 
 
 if __name__ == "__main__":
