@@ -358,16 +358,19 @@ absl::Status Placement::ExpandDistopt() {
   const int64_t bucket_multiple = std::lcm(int64_t{dp}, int64_t{128});
   for (size_t b = 0; b < base.size(); ++b) {
     const std::vector<TensorShard>& shards = base[b].shards;
+    std::vector<int> param_of(shards.size());  // OptimizerStateOf, by shard
+    for (size_t k = 0; k < shards.size(); ++k)
+      param_of[k] = OptimizerStateOf(m, shards[k].tensor);
     // Where each shard of a parameter of the stage's model chunk starts in
     // its buffer: walked in reverse order, each start padded to 64
     // elements; the buffer's end padded to lcm(dp, 128).
     std::map<int, int64_t> start;  // by model tensor
     int64_t end = 0;
-    for (auto it = shards.rbegin(); it != shards.rend(); ++it) {
-      if (OptimizerStateOf(m, it->tensor) >= 0) continue;
+    for (size_t k = shards.size(); k-- > 0;) {
+      if (param_of[k] >= 0) continue;
       end = (end + 63) / 64 * 64;
-      start[it->tensor] = end;
-      ASSIGN_OR_RETURN(int64_t n, NumElements(it->local_shape));
+      start[shards[k].tensor] = end;
+      ASSIGN_OR_RETURN(int64_t n, NumElements(shards[k].local_shape));
       ASSIGN_OR_RETURN(end, CheckedAdd(end, n));
     }
     end = (end + bucket_multiple - 1) / bucket_multiple * bucket_multiple;
@@ -375,8 +378,9 @@ absl::Status Placement::ExpandDistopt() {
     for (int d = 0; d < dp; ++d) {
       const int64_t lo = d * per_rank, hi = lo + per_rank;
       Group& g = groups_[b * dp + d];
-      for (const TensorShard& shard : shards) {
-        const int param = OptimizerStateOf(m, shard.tensor);
+      for (size_t k = 0; k < shards.size(); ++k) {
+        const TensorShard& shard = shards[k];
+        const int param = param_of[k];
         if (param < 0) {
           g.shards.push_back(shard);
         } else {

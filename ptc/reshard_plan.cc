@@ -113,7 +113,8 @@ absl::StatusOr<std::vector<TensorIndex>> BuildIndex(const Placement& from) {
   return index;
 }
 
-// The bands of `ti` that meet rows [b, e), as a range of iterators.
+// The first band of `ti` that ends after row b: where the bands that meet
+// rows from b on begin.
 std::vector<SourceBand>::const_iterator FirstBandFrom(const TensorIndex& ti,
                                                       int64_t b) {
   return std::upper_bound(
@@ -236,10 +237,10 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
       const TensorShard& dst = shards[k];
       const TensorIndex& ti = index[dst.tensor];
       std::vector<CopyOp>& ops = gp.ops[k];
-      for (int dp = 0; dp < static_cast<int>(dst.pieces.size()); ++dp) {
-        const ShardPiece& piece = dst.pieces[dp];
+      for (int pi = 0; pi < static_cast<int>(dst.pieces.size()); ++pi) {
+        const ShardPiece& piece = dst.pieces[pi];
         if (piece.zero_fill) {
-          ops.push_back({piece.local, ShardRef{}, {}, dp, 0});
+          ops.push_back({piece.local, ShardRef{}, {}, pi, 0});
           continue;
         }
         // Every band of rows the piece meets, and in each every box along
@@ -272,7 +273,7 @@ absl::StatusOr<ReshardPlan> ReshardPlan::Create(
               src_origin[d] += sp.local.begin(d) - sp.global.begin(d);
             }
             ops.push_back({Box(std::move(dst_origin), common.shape()), h->shard,
-                           std::move(src_origin), dp, h->piece});
+                           std::move(src_origin), pi, h->piece});
             inner_covered = Span(it->box, ti.inner).second;
           }
           if (inner_covered < ie) gap = true;
