@@ -49,6 +49,11 @@ echo "== Shrink to 4 GPUs as tp=4,pp=1,dp=1: what moves? =="
 step "$scalai" plan --layout megatron-core-gpt --model "$model" \
   --from tp=2,pp=2,dp=2 --to tp=4,pp=1,dp=1
 
+echo "== The same job with its state sharded FSDP-style: halving dp moves only the chunks whose owner changed =="
+step "$scalai" plan --layout megatron-core-gpt --model "$model" \
+  --from tp=2,pp=1,dp=4,fsdp=4 --to tp=2,pp=1,dp=2,fsdp=2
+
+echo
 echo "== tp=8 would cut the 4 query groups in halves, which no framework can load: refused =="
 step "$scalai" plan "$work/job" --to tp=8,pp=1,dp=1 || true
 
