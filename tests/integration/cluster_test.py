@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import Mounts, require_fuse, server_pid, test_seed  # noqa
 from netns import Etcd, Network, require_netns  # noqa
-from reference import parse_config, rank_shards, random_gpt, scalai, write_safetensors  # noqa
+from reference import (distopt_of, fsdp_of, parse_config, rank_shards, random_gpt,  # noqa
+                       scalai, write_safetensors)
 from views import check_bytes, status  # noqa
 
 BIN = sys.argv[1]
@@ -50,12 +51,17 @@ def run(*args, expect=0):
     return scalai(BIN, *args, expect=expect)
 
 
-def next_config(r, config, hosts=None):
+def next_config(r, config, hosts=None, sharded=False):
     """A random config; a third of them name hosts (an ordered choice among
-    `hosts`, as many as divide the world size)."""
+    `hosts`, as many as divide the world size); with `sharded`, one whose
+    state is sharded across its dp ranks (fsdp=dp, or distopt=1)."""
     while True:
         tp, pp, dp = r.choice([1, 2, 3, 6]), r.randint(1, 4), r.randint(1, 3)
+        if sharded:
+            dp = r.randint(2, 3)
         new = f"tp={tp},pp={pp},dp={dp}"
+        if sharded:
+            new += r.choice([f",fsdp={dp}", ",distopt=1"])
         if hosts and r.random() < 1 / 3:
             counts = [n for n in range(1, len(hosts) + 1) if (tp * pp * dp) % n == 0]
             new += ",hosts=" + "+".join(r.sample(hosts, r.choice(counts)))
@@ -141,18 +147,22 @@ def held_masks(config, host):
     """What `host` holds under `config`, worked out from numpy slicing alone:
     {tensor: boolean mask over its elements, numbered from 1 (0 marks the
     vocabulary's zero padding)}. A host holds the (pp, tp) shards of its
-    ranks, every one when the config names no hosts."""
+    ranks (under fsdp or distopt, their savers' shards), every one when the
+    config names no hosts."""
     tp, pp, dp, stages = parse_config(config)
     if stages is None:
         stages = [LAYERS // pp + (1 if p < LAYERS % pp else 0) for p in range(pp)]
     first = [sum(stages[:p]) for p in range(pp)]
     world, named = tp * pp * dp, hosts_of(config)
-    mine = {(rank // (tp * dp), rank % tp) for rank in range(world)
+    # The saving rank whose shard each of the host's ranks holds.
+    shards = dp if distopt_of(config) else fsdp_of(config)
+    mine = {((rank // (tp * dp)) * dp + (rank // tp) % dp % shards) * tp + rank % tp
+            for rank in range(world)
             if not named or named[rank // (world // len(named))] == host}
     masks = {name: np.zeros(size + 1, bool) for name, size in INDEX_SIZES.items()}
     for rank, shard in rank_shards(INDEX, config, True, DIVISOR, LAYERS).items():
-        p, t = rank // (tp * dp), rank % tp
-        if (p, t) not in mine:
+        p = rank // (tp * dp)
+        if rank not in mine:
             continue
         for local, arr in shard.items():
             m = re.search(r"layers\.(\d+)\.", local)
@@ -278,7 +288,8 @@ def walk(r, mnts, full):
     """Each config written to a random host becomes every host's."""
     config = START
     for i in range(STEPS):
-        new = next_config(r, config, HOSTS)
+        # Every third config shards the state across dp ranks.
+        new = next_config(r, config, HOSTS, sharded=i % 3 == 1)
         writer = r.choice(HOSTS)
         before = fetched(mnts)
         assert write_config(mnts[writer], new) == 0, (writer, status(mnts[writer]))
