@@ -17,6 +17,10 @@ constexpr absl::string_view kExpected =
     "expected tp=N,pp=N,dp=N[,fsdp=S|,distopt=1][,stages=A:B:...]"
     "[,hosts=H1+H2+...]";
 
+constexpr absl::string_view kFsdpWithDistopt =
+    "fsdp and distopt=1 exclude each other: fsdp shards the parameters too, "
+    "distopt only the optimizer state";
+
 absl::Status ConfigError(absl::string_view text, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(
       "config \"", Excerpt(text), "\": ", why, " (", kExpected, ")"));
@@ -160,9 +164,7 @@ absl::StatusOr<ParallelConfig> ParallelConfig::WithHosts(
 
 absl::StatusOr<ParallelConfig> ParallelConfig::WithFsdp(int fsdp) const {
   if (distopt_ && fsdp > 1) {
-    return absl::InvalidArgumentError(
-        "fsdp and distopt=1 exclude each other: fsdp shards the parameters "
-        "too, distopt only the optimizer state");
+    return absl::InvalidArgumentError(kFsdpWithDistopt);
   }
   if (fsdp < 1 || dp_ % fsdp != 0) {
     return absl::InvalidArgumentError(
@@ -177,9 +179,7 @@ absl::StatusOr<ParallelConfig> ParallelConfig::WithFsdp(int fsdp) const {
 
 absl::StatusOr<ParallelConfig> ParallelConfig::WithDistopt(bool distopt) const {
   if (distopt && fsdp_ > 1) {
-    return absl::InvalidArgumentError(
-        "fsdp and distopt=1 exclude each other: fsdp shards the parameters "
-        "too, distopt only the optimizer state");
+    return absl::InvalidArgumentError(kFsdpWithDistopt);
   }
   ParallelConfig config = *this;
   config.distopt_ = distopt;

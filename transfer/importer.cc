@@ -329,8 +329,8 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
                                     " has ranks 0..", config.world_size() - 1));
     }
   }
-  // The files of the groups' savers (dp_rank 0, or the first fsdp dp
-  // ranks), one per shard group.
+  // The files of the groups' savers (dp_rank 0; the first fsdp dp ranks;
+  // every rank under distopt), one per shard group.
   std::vector<SourceFile> group_files(config.num_shard_groups());
   for (int g = 0; g < config.num_shard_groups(); ++g) {
     const int rank = config.SaverOfGroup(g);
@@ -340,7 +340,7 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
       return UserError(
           o.src, absl::StrCat(label, " is missing (config ", config.ToString(),
                               " needs every rank with dp_rank < ",
-                              config.fsdp(), ")"));
+                              config.dp_shards(), ")"));
     }
     ASSIGN_OR_RETURN(group_files[g], ReadSource(path, label));
   }
