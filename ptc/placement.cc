@@ -95,6 +95,26 @@ absl::StatusOr<SplitResult> SplitTensor(const TensorInfo& t,
   return out;
 }
 
+// Appends to `out` the parts of `pieces` inside `region` of the local
+// tensor, with local boxes relative to the region's origin: in the local
+// tensor again (view_offset -1) or in a view of it.
+void AppendCut(const std::vector<ShardPiece>& pieces, const Box& region,
+               int64_t view_offset, const Shape& view_shape,
+               std::vector<ShardPiece>& out) {
+  for (const ShardPiece& piece : pieces) {
+    const Box common = Intersect(piece.local, region);
+    if (common.empty()) continue;
+    Shape local = common.origin(), global = piece.global.origin();
+    for (int d = 0; d < common.rank(); ++d) {
+      global[d] += common.begin(d) - piece.local.begin(d);
+      local[d] -= region.begin(d);
+    }
+    out.push_back({Box(std::move(local), common.shape()),
+                   Box(std::move(global), common.shape()), piece.zero_fill,
+                   view_offset, view_shape});
+  }
+}
+
 // Chunk `chunk` of `fsdp` of a tensor-parallel shard, cut on dimension 0 by
 // torch.chunk's rule: chunks of ceil(rows / fsdp) rows, the last ones
 // smaller or empty. A scalar has no rows to cut: every chunk holds it whole.
@@ -110,22 +130,8 @@ absl::StatusOr<TensorShard> ChunkOf(const TensorShard& shard, DType dtype,
   out.pieces.clear();
   Shape origin(shard.local_shape.size(), 0);
   origin[0] = begin;
-  Shape extent = shard.local_shape;
-  extent[0] = end - begin;
-  const Box rows_held(origin, extent);
-  for (const ShardPiece& piece : shard.pieces) {
-    const Box common = Intersect(piece.local, rows_held);
-    if (common.empty()) continue;
-    Shape local = common.origin(), global = piece.global.origin();
-    for (int d = 0; d < common.rank(); ++d)
-      global[d] += common.begin(d) - piece.local.begin(d);
-    local[0] -= begin;
-    out.pieces.push_back({Box(std::move(local), common.shape()),
-                          Box(std::move(global), common.shape()),
-                          piece.zero_fill,
-                          -1,
-                          {}});
-  }
+  AppendCut(shard.pieces, Box(std::move(origin), out.local_shape), -1, {},
+            out.pieces);
   ASSIGN_OR_RETURN(out.bytes, TensorBytes(out.local_shape, dtype));
   return out;
 }
@@ -167,18 +173,7 @@ absl::StatusOr<TensorShard> FlatRange(const TensorShard& shard,
   for (const Box& view : boxes) {
     int64_t at = -begin;  // the view's first element in the 1-D tensor
     for (int d = 0; d < view.rank(); ++d) at += view.begin(d) * strides[d];
-    for (const ShardPiece& piece : shard.pieces) {
-      const Box common = Intersect(piece.local, view);
-      if (common.empty()) continue;
-      Shape local = common.origin(), global = piece.global.origin();
-      for (int d = 0; d < common.rank(); ++d) {
-        global[d] += common.begin(d) - piece.local.begin(d);
-        local[d] -= view.begin(d);
-      }
-      out.pieces.push_back({Box(std::move(local), common.shape()),
-                            Box(std::move(global), common.shape()),
-                            piece.zero_fill, at, view.shape()});
-    }
+    AppendCut(shard.pieces, view, at, view.shape(), out.pieces);
   }
   ASSIGN_OR_RETURN(out.bytes, TensorBytes(out.local_shape, t.dtype));
   return out;
@@ -186,12 +181,18 @@ absl::StatusOr<TensorShard> FlatRange(const TensorShard& shard,
 
 }  // namespace
 
+std::string ParamOfOptimizerState(const std::string& name) {
+  constexpr absl::string_view kPrefix = "optimizer.";
+  if (!absl::StartsWith(name, kPrefix)) return "";
+  const size_t dot = name.find('.', kPrefix.size());
+  return dot == std::string::npos ? "" : name.substr(dot + 1);
+}
+
 int OptimizerStateOf(const Model& model, int tensor) {
-  const std::string& name = model.tensor(tensor).name;
-  if (!absl::StartsWith(name, "optimizer.")) return -1;
-  const size_t dot = name.find('.', 10);
-  if (dot == std::string::npos) return -1;
-  const TensorInfo* param = model.Find(name.substr(dot + 1));
+  const std::string param_name =
+      ParamOfOptimizerState(model.tensor(tensor).name);
+  if (param_name.empty()) return -1;
+  const TensorInfo* param = model.Find(param_name);
   if (param == nullptr) return -1;
   return static_cast<int>(param - model.tensors().data());
 }

@@ -127,8 +127,12 @@ class Placement {
   absl::Status ExpandDistopt();
 };
 
-// The parameter whose optimizer state tensor `tensor` is, by name:
-// "optimizer.KEY.PARAM" of a tensor PARAM of the model; -1 for a tensor
+// PARAM of a name "optimizer.KEY.PARAM" (optimizer state, by the naming
+// docs/reference.md gives it), or "" for any other name.
+std::string ParamOfOptimizerState(const std::string& name);
+
+// The parameter whose optimizer state tensor `tensor` is: its
+// ParamOfOptimizerState when the model holds that tensor; -1 for a tensor
 // that is not optimizer state.
 int OptimizerStateOf(const Model& model, int tensor);
 

@@ -322,6 +322,17 @@ absl::StatusOr<std::vector<Segment>> ReshardPlan::Resolve(
       std::any_of(dst.pieces.begin(), dst.pieces.end(),
                   [](const ShardPiece& p) { return p.view_offset >= 0; });
   const Shape local_strides = RowMajorStrides(dst.local_shape);
+  // Each piece's view: its strides and element count, found once.
+  std::vector<Shape> view_strides;
+  std::vector<int64_t> view_elements;
+  if (viewed) {
+    for (int p = 0; p < static_cast<int>(dst.pieces.size()); ++p) {
+      view_strides.push_back(RowMajorStrides(dst.ViewShape(p)));
+      int64_t n = 1;
+      for (int64_t e : dst.ViewShape(p)) n *= e;
+      view_elements.push_back(n);
+    }
+  }
   // Where element `element` of the local tensor lies in the view of piece
   // `piece`: its index there, or false when outside the view.
   auto index_in = [&](int piece, int64_t element) {
@@ -334,14 +345,11 @@ absl::StatusOr<std::vector<Segment>> ReshardPlan::Resolve(
       return true;
     }
     const int64_t at = element - dst.ViewOffset(piece);
-    const Shape& view = dst.ViewShape(piece);
-    int64_t n = 1;
-    for (int64_t e : view) n *= e;
-    if (at < 0 || at >= n) return false;
-    const Shape strides = RowMajorStrides(view);
-    idx.resize(view.size());
+    if (at < 0 || at >= view_elements[piece]) return false;
+    const Shape& strides = view_strides[piece];
+    idx.resize(strides.size());
     int64_t rest = at;
-    for (size_t d = 0; d < view.size(); ++d) {
+    for (size_t d = 0; d < strides.size(); ++d) {
       idx[d] = rest / strides[d];
       rest %= strides[d];
     }

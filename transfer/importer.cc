@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
 #include "ptc/excerpt.h"
+#include "ptc/placement.h"
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
 #include "ptc/utf8.h"
@@ -125,16 +126,13 @@ absl::StatusOr<Model> InferModel(
   // Under distopt, optimizer state is 1-D, a part of its parameter on each
   // dp rank: it takes its parameter's shape once every parameter is known.
   auto distopt_state = [&](const SourceFile& file, const std::string& name) {
-    if (!config.distopt() || !absl::StartsWith(name, "optimizer.")) {
-      return std::string();
-    }
-    const size_t dot = name.find('.', 10);
-    if (dot == std::string::npos) return std::string();
-    const std::string param = name.substr(dot + 1);
+    if (!config.distopt()) return false;
+    const std::string param = ParamOfOptimizerState(name);
+    if (param.empty()) return false;
     for (const SafetensorsEntry& e : file.header.tensors()) {
-      if (e.name == param) return param;
+      if (e.name == param) return true;
     }
-    return std::string();
+    return false;
   };
   std::vector<std::pair<std::string, const SafetensorsEntry*>> states;
   struct Seen {
@@ -197,7 +195,7 @@ absl::StatusOr<Model> InferModel(
             s.local_layer + first[stage(g)],
             e.name.substr(s.rule.layer_digits_pos + s.rule.layer_digits_len));
       }
-      if (!distopt_state(file, e.name).empty()) {
+      if (distopt_state(file, e.name)) {
         states.push_back({global_name, &e});
         continue;
       }
@@ -245,8 +243,7 @@ absl::StatusOr<Model> InferModel(
   }
   for (const auto& [global_name, e] : states) {
     if (model.Find(global_name) != nullptr) continue;
-    const TensorInfo* param =
-        model.Find(global_name.substr(global_name.find('.', 10) + 1));
+    const TensorInfo* param = model.Find(ParamOfOptimizerState(global_name));
     if (param == nullptr) continue;  // the placement names what is amiss
     RETURN_IF_ERROR(model.Add({global_name, e->dtype, param->shape}));
   }

@@ -11,8 +11,7 @@ namespace {
 
 // Cuts `box` along its outermost dimensions until every part carries at
 // most `limit` bytes (a single element always goes whole).
-void SplitToFit(const LiveBox& box, int64_t elem, int64_t limit,
-                std::vector<LiveBox>& out) {
+void SplitToFit(const LiveBox& box, int64_t limit, std::vector<LiveBox>& out) {
   const Shape& shape = box.dst_box.shape();
   int dim = 0;
   while (dim < static_cast<int>(shape.size()) && shape[dim] == 1) ++dim;
@@ -31,7 +30,7 @@ void SplitToFit(const LiveBox& box, int64_t elem, int64_t limit,
     part.dst_box = Box(std::move(origin), std::move(extent));
     part.src_origin[dim] += at;
     part.bytes = slice * n;
-    SplitToFit(part, elem, limit, out);
+    SplitToFit(part, limit, out);
   }
 }
 
@@ -55,6 +54,7 @@ absl::StatusOr<LiveSchedule> LiveSchedule::Create(const ReshardPlan& plan,
   s.plan_ = &plan;
   s.world_ = std::max(cfrom.world_size(), cto.world_size());
   s.local_.resize(s.world_);
+  s.senders_.resize(s.world_);
   // The ranks of A that hold each source group.
   std::vector<std::vector<int>> holders(from.num_groups());
   for (int q = 0; q < cfrom.world_size(); ++q)
@@ -83,7 +83,7 @@ absl::StatusOr<LiveSchedule> LiveSchedule::Create(const ReshardPlan& plan,
               "no rank of ", cfrom.ToString(), " holds group ", op.src.group));
         }
         const int q = from_ranks[r % from_ranks.size()];
-        SplitToFit(box, elem, options.round_bytes, streams[{q, r}]);
+        SplitToFit(box, options.round_bytes, streams[{q, r}]);
       }
     }
   }
@@ -99,6 +99,7 @@ absl::StatusOr<LiveSchedule> LiveSchedule::Create(const ReshardPlan& plan,
       rounds.back().push_back(std::move(box));
     }
     s.rounds_ = std::max(s.rounds_, static_cast<int>(rounds.size()));
+    s.senders_[pair.second].push_back(pair.first);
   }
   return s;
 }
@@ -124,9 +125,9 @@ std::vector<int> LiveSchedule::SendsOf(int rank, int round) const {
 
 std::vector<int> LiveSchedule::ReceivesOf(int rank, int round) const {
   std::vector<int> out;
-  for (const auto& [pair, rounds] : messages_) {
-    if (pair.second == rank && round < static_cast<int>(rounds.size()))
-      out.push_back(pair.first);
+  for (int from : senders_[rank]) {
+    if (round < static_cast<int>(messages_.at({from, rank}).size()))
+      out.push_back(from);
   }
   return out;
 }

@@ -77,6 +77,7 @@ class LiveSchedule {
   int world_ = 0;
   int rounds_ = 0;
   std::vector<std::vector<LiveBox>> local_;  // by rank
+  std::vector<std::vector<int>> senders_;    // by receiving rank
   // (from, to) -> rounds, each a message's boxes.
   std::map<std::pair<int, int>, std::vector<std::vector<LiveBox>>> messages_;
 };
