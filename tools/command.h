@@ -32,6 +32,7 @@ Command AddClusterCommand(CLI::App& root);
 Command AddDatasetCommand(CLI::App& root);
 Command AddExportCommand(CLI::App& root);
 Command AddFsckCommand(CLI::App& root);
+Command AddGpuBenchCommand(CLI::App& root);
 Command AddImportCommand(CLI::App& root);
 Command AddInitCommand(CLI::App& root);
 Command AddInspectCommand(CLI::App& root);

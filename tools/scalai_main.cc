@@ -24,12 +24,13 @@ int main(int argc, char** argv) {
   root.require_subcommand(1);
   root.set_version_flag("--version", "scalai 0.1.0");
   std::vector<scalai::Command> commands = {
-      scalai::AddInitCommand(root),    scalai::AddImportCommand(root),
-      scalai::AddExportCommand(root),  scalai::AddInspectCommand(root),
-      scalai::AddFsckCommand(root),    scalai::AddPlanCommand(root),
-      scalai::AddSynthCommand(root),   scalai::AddMountCommand(root),
-      scalai::AddUmountCommand(root),  scalai::AddReconfigureCommand(root),
-      scalai::AddDatasetCommand(root), scalai::AddClusterCommand(root),
+      scalai::AddInitCommand(root),     scalai::AddImportCommand(root),
+      scalai::AddExportCommand(root),   scalai::AddInspectCommand(root),
+      scalai::AddFsckCommand(root),     scalai::AddPlanCommand(root),
+      scalai::AddSynthCommand(root),    scalai::AddMountCommand(root),
+      scalai::AddUmountCommand(root),   scalai::AddReconfigureCommand(root),
+      scalai::AddDatasetCommand(root),  scalai::AddClusterCommand(root),
+      scalai::AddGpuBenchCommand(root),
   };
   // CLI11 takes an unknown first word for a stray argument and says only that
   // a subcommand is required; name the word and the commands instead.

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
-#include "transfer/box_copy.h"
+#include "transfer/box_batch.h"
 
 namespace scalai {
 namespace {
@@ -71,8 +71,13 @@ absl::StatusOr<LiveSchedule> LiveSchedule::Create(const ReshardPlan& plan,
         ASSIGN_OR_RETURN(int64_t n, op.dst.NumElements());
         LiveBox box{op.src,       op.src_piece, op.src_origin, dst,
                     op.dst_piece, op.dst,       n * elem};
-        if (!op.src.valid() || op.src.group == own) {
+        if (!op.src.valid() ||
+            (op.src.group == own && !options.local_through_transport)) {
           s.local_[r].push_back(std::move(box));
+          continue;
+        }
+        if (op.src.group == own) {  // to itself, through the transport
+          SplitToFit(box, options.round_bytes, streams[{r, r}]);
           continue;
         }
         // Another rank's bytes: spread the readers of a replicated group
@@ -138,6 +143,35 @@ int64_t LiveSchedule::Bytes(const std::vector<LiveBox>& boxes) {
   return n;
 }
 
+std::vector<int64_t> LiveSchedule::DestinationBytes(int rank) const {
+  std::vector<int64_t> out;
+  const Placement& to = plan_->to();
+  if (rank < to.config().world_size()) {
+    for (const TensorShard& s : to.shards(to.config().ShardGroup(rank)))
+      out.push_back(s.bytes);
+  }
+  return out;
+}
+
+int64_t LiveSchedule::StagingBytes(int rank) const {
+  int64_t most = 0;
+  for (int round = 0; round < rounds_; ++round) {
+    int64_t n = 0;
+    for (int peer : SendsOf(rank, round))
+      n += Bytes(message(rank, peer, round));
+    for (int peer : ReceivesOf(rank, round))
+      n += Bytes(message(peer, rank, round));
+    most = std::max(most, n);
+  }
+  return most;
+}
+
+LiveMemory& HostTransport::MemoryOf(int rank) {
+  if (rank < static_cast<int>(memories_.size()) && memories_[rank] != nullptr)
+    return *memories_[rank];
+  return host_;
+}
+
 absl::Status HostTransport::Exchange(int rank,
                                      const std::vector<Outgoing>& sends,
                                      const std::vector<Incoming>& receives) {
@@ -147,7 +181,9 @@ absl::Status HostTransport::Exchange(int rank,
       return absl::InvalidArgumentError(absl::StrCat(
           "rank ", rank, " sends to rank ", m.peer, " of a world of ", world_));
     }
-    queues_[{rank, m.peer}].push_back(*m.bytes);
+    std::vector<std::byte> copy(m.bytes);
+    RETURN_IF_ERROR(MemoryOf(rank).ToHost(copy.data(), m.data, m.bytes));
+    queues_[{rank, m.peer}].push_back(std::move(copy));
   }
   arrived_.notify_all();
   for (const Incoming& m : receives) {
@@ -160,12 +196,12 @@ absl::Status HostTransport::Exchange(int rank,
     }
     std::vector<std::byte> got = std::move(queue.front());
     queue.pop_front();
-    if (got.size() != m.bytes->size()) {
+    if (static_cast<int64_t>(got.size()) != m.bytes) {
       return absl::InvalidArgumentError(
           absl::StrCat("rank ", m.peer, " sent ", got.size(), " bytes to rank ",
-                       rank, ", which expected ", m.bytes->size()));
+                       rank, ", which expected ", m.bytes));
     }
-    *m.bytes = std::move(got);
+    RETURN_IF_ERROR(MemoryOf(rank).FromHost(m.data, got.data(), m.bytes));
   }
   return absl::OkStatus();
 }
@@ -179,95 +215,129 @@ int64_t HostTransport::unclaimed() const {
 
 absl::StatusOr<LiveTraffic> RunLiveReshard(
     const LiveSchedule& schedule, int rank,
-    const std::vector<std::vector<std::byte>>& a,
-    std::vector<std::vector<std::byte>>& b, LiveTransport& transport) {
+    const std::vector<const std::byte*>& a, const std::vector<std::byte*>& b,
+    LiveTransport& transport, LiveMemory& memory) {
   const ReshardPlan& plan = schedule.plan();
   const Placement& from = plan.from();
   const Placement& to = plan.to();
   LiveTraffic traffic;
-  b.clear();
-  if (rank < to.config().world_size()) {
-    for (const TensorShard& s : to.shards(to.config().ShardGroup(rank)))
-      b.emplace_back(s.bytes);
-  }
   const int own =
       rank < from.config().world_size() ? from.config().ShardGroup(rank) : -1;
-  if (own >= 0 && a.size() != from.shards(own).size()) {
+  const size_t a_tensors = own >= 0 ? from.shards(own).size() : 0;
+  if (a.size() != a_tensors) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " holds ", a.size(),
-                     " tensors; its A shard has ", from.shards(own).size()));
+                     " tensors; its A shard has ", a_tensors));
+  }
+  if (b.size() != schedule.DestinationBytes(rank).size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", rank, " has room for ", b.size(), " tensors; its B shard has ",
+        schedule.DestinationBytes(rank).size()));
   }
   // The byte pointer and view of a box's source, and of its destination.
-  auto source = [&](const LiveBox& box, const std::byte* base) {
+  auto source = [&](const LiveBox& box) {
     const TensorShard& s = from.shards(box.src.group)[box.src.shard];
-    return std::make_pair(
-        base + s.ViewOffset(box.src_piece) * ElemBytes(from, box.src),
-        &s.ViewShape(box.src_piece));
+    return std::make_pair(a[box.src.shard] + s.ViewOffset(box.src_piece) *
+                                                 ElemBytes(from, box.src),
+                          &s.ViewShape(box.src_piece));
   };
   auto destination = [&](const LiveBox& box) {
     const TensorShard& s = to.shards(box.dst.group)[box.dst.shard];
     return std::make_pair(
-        b[box.dst.shard].data() +
-            s.ViewOffset(box.dst_piece) * ElemBytes(to, box.dst),
+        b[box.dst.shard] + s.ViewOffset(box.dst_piece) * ElemBytes(to, box.dst),
         &s.ViewShape(box.dst_piece));
   };
+  BoxBatch batch;
   for (const LiveBox& box : schedule.local(rank)) {
-    const int64_t elem = ElemBytes(to, box.dst);
+    const int elem = ElemBytes(to, box.dst);
     auto [dst, dst_view] = destination(box);
     if (!box.src.valid()) {
-      ZeroBox(dst, *dst_view, box.dst_box.origin(), box.dst_box.shape(), elem);
+      RETURN_IF_ERROR(batch.AddZero(dst, *dst_view, box.dst_box.origin(),
+                                    box.dst_box.shape(), elem));
     } else {
-      auto [src, src_view] = source(box, a[box.src.shard].data());
-      CopyBox(src, *src_view, box.src_origin, dst, *dst_view,
-              box.dst_box.origin(), box.dst_box.shape(), elem);
+      auto [src, src_view] = source(box);
+      RETURN_IF_ERROR(batch.AddCopy(src, *src_view, box.src_origin, dst,
+                                    *dst_view, box.dst_box.origin(),
+                                    box.dst_box.shape(), elem));
     }
     traffic.local_bytes += box.bytes;
   }
+  if (!batch.empty()) RETURN_IF_ERROR(memory.Copy(batch));
+
+  const int64_t staging_bytes = schedule.StagingBytes(rank);
+  std::byte* staging_data = nullptr;
+  if (staging_bytes > 0) {
+    ASSIGN_OR_RETURN(staging_data, memory.Allocate(staging_bytes));
+  }
+  LiveBuffer staging(memory, staging_data);
   for (int round = 0; round < schedule.rounds(); ++round) {
     const std::vector<int> send_to = schedule.SendsOf(rank, round);
     const std::vector<int> receive_from = schedule.ReceivesOf(rank, round);
     if (send_to.empty() && receive_from.empty()) continue;
-    // Each message packs its boxes one after another, each row-major.
-    std::vector<std::vector<std::byte>> outgoing(send_to.size());
+    // Each message packs its boxes one after another, each row-major; the
+    // round's messages lie one after another in the staging buffer.
+    std::byte* at = staging.data();
+    batch.clear();
     std::vector<LiveTransport::Outgoing> sends;
-    for (size_t i = 0; i < send_to.size(); ++i) {
-      const std::vector<LiveBox>& boxes =
-          schedule.message(rank, send_to[i], round);
-      outgoing[i].resize(LiveSchedule::Bytes(boxes));
-      int64_t at = 0;
+    for (int peer : send_to) {
+      const std::vector<LiveBox>& boxes = schedule.message(rank, peer, round);
+      const int64_t bytes = LiveSchedule::Bytes(boxes);
+      std::byte* packed = at;
       for (const LiveBox& box : boxes) {
-        auto [src, src_view] = source(box, a[box.src.shard].data());
-        CopyBox(src, *src_view, box.src_origin, outgoing[i].data() + at,
-                box.dst_box.shape(), Shape(box.dst_box.rank(), 0),
-                box.dst_box.shape(), ElemBytes(to, box.dst));
+        auto [src, src_view] = source(box);
+        const Shape& shape = box.dst_box.shape();
+        RETURN_IF_ERROR(batch.AddCopy(src, *src_view, box.src_origin, at, shape,
+                                      Shape(shape.size(), 0), shape,
+                                      ElemBytes(to, box.dst)));
         at += box.bytes;
       }
-      traffic.sent_bytes += at;
-      sends.push_back({send_to[i], &outgoing[i]});
+      traffic.sent_bytes += bytes;
+      sends.push_back({peer, packed, bytes});
     }
-    std::vector<std::vector<std::byte>> incoming(receive_from.size());
+    if (!batch.empty()) RETURN_IF_ERROR(memory.Copy(batch));
     std::vector<LiveTransport::Incoming> receives;
-    for (size_t i = 0; i < receive_from.size(); ++i) {
-      incoming[i].resize(
-          LiveSchedule::Bytes(schedule.message(receive_from[i], rank, round)));
-      receives.push_back({receive_from[i], &incoming[i]});
+    for (int peer : receive_from) {
+      const int64_t bytes =
+          LiveSchedule::Bytes(schedule.message(peer, rank, round));
+      receives.push_back({peer, at, bytes});
+      at += bytes;
     }
     RETURN_IF_ERROR(transport.Exchange(rank, sends, receives));
-    for (size_t i = 0; i < receive_from.size(); ++i) {
-      int64_t at = 0;
-      for (const LiveBox& box :
-           schedule.message(receive_from[i], rank, round)) {
+    batch.clear();
+    for (const LiveTransport::Incoming& m : receives) {
+      const std::byte* packed = m.data;
+      for (const LiveBox& box : schedule.message(m.peer, rank, round)) {
         auto [dst, dst_view] = destination(box);
-        CopyBox(incoming[i].data() + at, box.dst_box.shape(),
-                Shape(box.dst_box.rank(), 0), dst, *dst_view,
-                box.dst_box.origin(), box.dst_box.shape(),
-                ElemBytes(to, box.dst));
-        at += box.bytes;
+        const Shape& shape = box.dst_box.shape();
+        RETURN_IF_ERROR(batch.AddCopy(packed, shape, Shape(shape.size(), 0),
+                                      dst, *dst_view, box.dst_box.origin(),
+                                      shape, ElemBytes(to, box.dst)));
+        packed += box.bytes;
       }
-      traffic.received_bytes += at;
+      traffic.received_bytes += m.bytes;
     }
+    // Unpacked before the next round packs into the same staging: the
+    // memory orders its copies.
+    if (!batch.empty()) RETURN_IF_ERROR(memory.Copy(batch));
   }
+  RETURN_IF_ERROR(memory.Finish());
   return traffic;
+}
+
+absl::StatusOr<LiveTraffic> RunLiveReshard(
+    const LiveSchedule& schedule, int rank,
+    const std::vector<std::vector<std::byte>>& a,
+    std::vector<std::vector<std::byte>>& b, LiveTransport& transport) {
+  std::vector<const std::byte*> a_data;
+  for (const std::vector<std::byte>& t : a) a_data.push_back(t.data());
+  b.clear();
+  std::vector<std::byte*> b_data;
+  for (int64_t bytes : schedule.DestinationBytes(rank)) {
+    b.emplace_back(bytes);
+    b_data.push_back(b.back().data());
+  }
+  HostMemory memory;
+  return RunLiveReshard(schedule, rank, a_data, b_data, transport, memory);
 }
 
 }  // namespace scalai

@@ -10,10 +10,20 @@
 // (the staging memory), each round one grouped exchange in which every send
 // is posted before any receive waits, so no schedule can deadlock.
 //
+// The executor is written once: a LiveMemory says where the buffers are and
+// copies boxes there (HostMemory; CudaMemory, one kernel per batch), a
+// LiveTransport moves the messages (HostTransport; NcclTransport).
+//
 //   ASSIGN_OR_RETURN(LiveSchedule s, LiveSchedule::Create(plan));
 //   HostTransport transport(s.world());
-//   // On each rank's thread, with its A shard's tensors and room for B's:
-//   RETURN_IF_ERROR(RunLiveReshard(s, rank, a_tensors, b_tensors, transport));
+//   // On each rank's thread, with its A shard's tensors and room for B's
+//   // (sized by s.DestinationBytes(rank)):
+//   HostMemory memory;
+//   RETURN_IF_ERROR(
+//       RunLiveReshard(s, rank, a_tensors, b_tensors, transport, memory));
+//
+// With a GPU (transfer/cuda/), the same call takes device pointers,
+// a CudaMemory and an NcclTransport over the ranks of A and B.
 #ifndef SCALAI_TRANSFER_LIVE_RESHARD_H_
 #define SCALAI_TRANSFER_LIVE_RESHARD_H_
 
@@ -30,6 +40,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "ptc/reshard_plan.h"
+#include "transfer/live_memory.h"
 
 namespace scalai {
 
@@ -51,6 +62,10 @@ class LiveSchedule {
     // The most one message carries: boxes larger are cut along their
     // outermost dimensions until they fit (down to single rows).
     int64_t round_bytes = 64 << 20;
+    // Sends a rank's own bytes through the transport too, as messages to
+    // itself, instead of copying them locally: exercises a transport's
+    // whole path with a single rank (a GPU check on one device).
+    bool local_through_transport = false;
   };
   static absl::StatusOr<LiveSchedule> Create(const ReshardPlan& plan,
                                              Options options);
@@ -71,6 +86,10 @@ class LiveSchedule {
   std::vector<int> SendsOf(int rank, int round) const;
   std::vector<int> ReceivesOf(int rank, int round) const;
   static int64_t Bytes(const std::vector<LiveBox>& boxes);
+  // The bytes of each tensor of `rank`'s B shard (none for a rank not in B).
+  std::vector<int64_t> DestinationBytes(int rank) const;
+  // The staging `rank` needs: its largest round's sends and receives.
+  int64_t StagingBytes(int rank) const;
 
  private:
   const ReshardPlan* plan_ = nullptr;
@@ -86,13 +105,16 @@ class LiveSchedule {
 // backend posts them as ncclSend/ncclRecv inside one group.
 class LiveTransport {
  public:
+  // Messages are in the rank's LiveMemory (device memory for NCCL).
   struct Outgoing {
     int peer;
-    const std::vector<std::byte>* bytes;
+    const std::byte* data;
+    int64_t bytes;
   };
   struct Incoming {
     int peer;
-    std::vector<std::byte>* bytes;  // sized to what the schedule expects
+    std::byte* data;
+    int64_t bytes;  // what the schedule expects
   };
   virtual ~LiveTransport() = default;
   // Posts every send, then takes every receive; a message of another size
@@ -104,18 +126,26 @@ class LiveTransport {
 // The host reference transport: ranks are threads, each pair of ranks a
 // queue. A receive that waits past `timeout` fails naming what it waited
 // for, so that a schedule that would deadlock fails instead of hanging.
+// Messages are read from and written to each rank's memory through
+// `memories` (by rank; empty when all are host memory), so ranks whose
+// buffers are on a GPU can run over it too.
 class HostTransport : public LiveTransport {
  public:
-  explicit HostTransport(int world, absl::Duration timeout = absl::Seconds(60))
-      : world_(world), timeout_(timeout) {}
+  explicit HostTransport(int world, absl::Duration timeout = absl::Seconds(60),
+                         std::vector<LiveMemory*> memories = {})
+      : world_(world), timeout_(timeout), memories_(std::move(memories)) {}
   absl::Status Exchange(int rank, const std::vector<Outgoing>& sends,
                         const std::vector<Incoming>& receives) override;
   // Messages sent and never received (0 once every send met its receive).
   int64_t unclaimed() const;
 
  private:
+  LiveMemory& MemoryOf(int rank);
+
   const int world_;
   const absl::Duration timeout_;
+  const std::vector<LiveMemory*> memories_;
+  HostMemory host_;
   mutable std::mutex mu_;
   std::condition_variable arrived_;
   std::map<std::pair<int, int>, std::deque<std::vector<std::byte>>> queues_;
@@ -128,10 +158,18 @@ struct LiveTraffic {
   int64_t received_bytes = 0;
 };
 
-// Runs `rank`'s part of the schedule: `a` holds its A shard's tensors (in
-// the order of its A group's shards; empty for a rank new in B), `b` is
-// filled with its B shard's (sized here). Every rank of schedule.world()
-// must run it at once, each on its own thread or process.
+// Runs `rank`'s part of the schedule: `a` points at its A shard's tensors
+// in `memory` (in the order of its A group's shards; empty for a rank new
+// in B), `b` at room for its B shard's (schedule.DestinationBytes(rank)),
+// which it fills. Staging of schedule.StagingBytes(rank) is allocated from
+// `memory`. Every rank of schedule.world() must run it at once, each on its
+// own thread or process; all its copies are finished when it returns.
+absl::StatusOr<LiveTraffic> RunLiveReshard(
+    const LiveSchedule& schedule, int rank,
+    const std::vector<const std::byte*>& a, const std::vector<std::byte*>& b,
+    LiveTransport& transport, LiveMemory& memory);
+
+// The same in host memory: `b` is sized and filled here.
 absl::StatusOr<LiveTraffic> RunLiveReshard(
     const LiveSchedule& schedule, int rank,
     const std::vector<std::vector<std::byte>>& a,
