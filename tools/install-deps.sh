@@ -10,6 +10,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   etcd-server openssl iperf3
+  libzip-dev
   python3-numpy python3-torch python3-matplotlib clang-format git tar
 )
 

@@ -9,6 +9,7 @@
 #include <charconv>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -24,6 +25,7 @@
 #include "ptc/status_macros.h"
 #include "ptc/utf8.h"
 #include "transfer/blob_checksum.h"
+#include "transfer/megatron_checkpoint.h"
 #include "transfer/shard_check.h"
 #include "transfer/write_behind.h"
 
@@ -32,11 +34,13 @@ namespace {
 
 using nlohmann::json;
 
-// A file to be stored as one blob.
+// A file to be stored as one blob: a safetensors file copied verbatim, or a
+// Megatron rank file whose tensors are written out as one.
 struct SourceFile {
   std::string path;
   std::string label;  // how errors name it: "rank-00003/model.safetensors"
   SafetensorsHeader header;
+  std::shared_ptr<const MegatronRankFile> megatron;
 };
 
 // What an import will commit, worked out before any byte is copied.
@@ -55,7 +59,8 @@ struct ImportPlan {
   struct Extra {
     int rank = 0;
     std::string path;
-    std::string source;
+    std::string source;  // a file, or empty when `content` holds the bytes
+    std::string content;
   };
   std::vector<Extra> extras;
 };
@@ -84,7 +89,7 @@ absl::StatusOr<SourceFile> ReadSource(const std::string& path,
       message = label + message.substr(path.size());
     return absl::Status(header.status().code(), message);
   }
-  return SourceFile{path, label, *std::move(header)};
+  return SourceFile{path, label, *std::move(header), nullptr};
 }
 
 // A non-negative integer of the header's metadata, when it has one.
@@ -306,6 +311,10 @@ absl::Status CompareTiedCopies(const Placement& p,
   return absl::OkStatus();
 }
 
+absl::Status PlanGroups(const Store& store, const ImportOptions& o,
+                        const std::vector<SourceFile>& group_files,
+                        ImportPlan& plan);
+
 absl::Status PlanShards(const Store& store, const ImportOptions& o,
                         ImportPlan& plan) {
   const ParallelConfig& config = o.config;
@@ -341,24 +350,7 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
     }
     ASSIGN_OR_RETURN(group_files[g], ReadSource(path, label));
   }
-  if (store.model() != nullptr) {
-    plan.model = store.model();
-  } else {
-    std::vector<const SourceFile*> files;
-    for (const SourceFile& f : group_files) files.push_back(&f);
-    ASSIGN_OR_RETURN(Model model, InferModel(store.layout(), config, files));
-    plan.model = std::make_shared<const Model>(std::move(model));
-    plan.new_model = true;
-  }
-  auto placement = Placement::Create(store.layout(), plan.model, config);
-  if (!placement.ok()) return UserError(o.src, placement.status().message());
-  for (int g = 0; g < config.num_shard_groups(); ++g) {
-    const std::string where = config.DescribeRank(config.SaverOfGroup(g));
-    ASSIGN_OR_RETURN(std::vector<ShardRecord::Location> locations,
-                     MatchShards(*plan.model, placement->shards(g),
-                                 group_files[g], g, where));
-    plan.groups.push_back({{}, std::move(locations)});
-  }
+  RETURN_IF_ERROR(PlanGroups(store, o, group_files, plan));
   for (const auto& [rank, name] : rank_dirs) {
     if (config.SavesShard(rank)) continue;
     std::string label = name + "/model.safetensors";
@@ -383,13 +375,62 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
     std::vector<std::string> paths;
     RETURN_IF_ERROR(ListFiles(extra, "", paths));
     for (std::string& path : paths)
-      plan.extras.push_back({rank, path, extra + "/" + path});
+      plan.extras.push_back({rank, path, extra + "/" + path, ""});
+  }
+  plan.files = std::move(group_files);
+  return absl::OkStatus();
+}
+
+// A Megatron-LM checkpoint: each rank file's tensors become its group's
+// shard, its remainder an extra file of the group's saving rank.
+absl::Status PlanMegatron(const Store& store, const ImportOptions& o,
+                          ImportPlan& plan) {
+  ASSIGN_OR_RETURN(MegatronCheckpoint c,
+                   ReadMegatronCheckpoint(o.src, o.config));
+  std::vector<SourceFile> group_files;
+  for (MegatronRankFile& r : c.ranks) {
+    auto rank = std::make_shared<MegatronRankFile>(std::move(r));
+    group_files.push_back({rank->path, rank->label, rank->header, rank});
+  }
+  RETURN_IF_ERROR(PlanGroups(store, o, group_files, plan));
+  for (size_t g = 0; g < group_files.size(); ++g) {
+    plan.extras.push_back({o.config.SaverOfGroup(static_cast<int>(g)),
+                           kMegatronRemainderPath, "",
+                           group_files[g].megatron->remainder});
+  }
+  plan.files = std::move(group_files);
+  return absl::OkStatus();
+}
+
+// What per-group files share: the model (inferred from them for a new
+// store), each file matched to its group's shards, tied copies compared,
+// the step and position their metadata give.
+absl::Status PlanGroups(const Store& store, const ImportOptions& o,
+                        const std::vector<SourceFile>& group_files,
+                        ImportPlan& plan) {
+  const ParallelConfig& config = o.config;
+  if (store.model() != nullptr) {
+    plan.model = store.model();
+  } else {
+    std::vector<const SourceFile*> files;
+    for (const SourceFile& f : group_files) files.push_back(&f);
+    ASSIGN_OR_RETURN(Model model, InferModel(store.layout(), config, files));
+    plan.model = std::make_shared<const Model>(std::move(model));
+    plan.new_model = true;
+  }
+  auto placement = Placement::Create(store.layout(), plan.model, config);
+  if (!placement.ok()) return UserError(o.src, placement.status().message());
+  for (int g = 0; g < config.num_shard_groups(); ++g) {
+    const std::string where = config.DescribeRank(config.SaverOfGroup(g));
+    ASSIGN_OR_RETURN(std::vector<ShardRecord::Location> locations,
+                     MatchShards(*plan.model, placement->shards(g),
+                                 group_files[g], g, where));
+    plan.groups.push_back({{}, std::move(locations)});
   }
   RETURN_IF_ERROR(CompareTiedCopies(*placement, group_files, plan.groups));
   plan.step_in_metadata = MetadataCount(group_files[0].header, "scalai.step");
   plan.consumed_samples =
       MetadataCount(group_files[0].header, "scalai.consumed_samples");
-  plan.files = std::move(group_files);
   plan.stored_config = config.ToString();
   return absl::OkStatus();
 }
@@ -516,15 +557,19 @@ absl::Status PlanIndex(const Store& store, const std::string& dir,
 
 // Copies the file at `path` to a new blob file, hashing on the way; the
 // caller syncs.
-absl::StatusOr<BlobRecord> CopyFileToBlob(const std::string& path,
-                                          const std::string& blob_path,
-                                          Progress* progress) {
+
+// Writes bytes from `produce` (which calls its sink in order) to a new
+// blob file, hashing on the way; the caller syncs.
+absl::StatusOr<BlobRecord> WriteBlob(
+    const std::string& blob_path, Progress* progress,
+    const std::function<absl::Status(
+        const std::function<absl::Status(const char*, int64_t)>&)>& produce) {
   ASSIGN_OR_RETURN(UniqueFd out,
                    OpenFile(blob_path, O_WRONLY | O_CREAT | O_EXCL, 0600));
   ChunkHasher hasher;
   int64_t size = 0;
   WriteBehind behind;
-  RETURN_IF_ERROR(ReadChunks(path, [&](const char* data, int64_t n) {
+  RETURN_IF_ERROR(produce([&](const char* data, int64_t n) {
     hasher.Update(data, n);
     RETURN_IF_ERROR(WriteAll(out.get(), data, n, blob_path));
     size += n;
@@ -534,9 +579,21 @@ absl::StatusOr<BlobRecord> CopyFileToBlob(const std::string& path,
   return BlobRecord{size, hasher.Finish(), 0};
 }
 
+absl::StatusOr<BlobRecord> CopyFileToBlob(const std::string& path,
+                                          const std::string& blob_path,
+                                          Progress* progress) {
+  return WriteBlob(blob_path, progress,
+                   [&](const auto& sink) { return ReadChunks(path, sink); });
+}
+
 absl::StatusOr<BlobRecord> CopyToBlob(const SourceFile& src,
                                       const std::string& blob_path,
                                       Progress& progress) {
+  if (src.megatron != nullptr) {
+    return WriteBlob(blob_path, &progress, [&](const auto& sink) {
+      return StreamMegatronShard(*src.megatron, sink);
+    });
+  }
   ASSIGN_OR_RETURN(BlobRecord blob,
                    CopyFileToBlob(src.path, blob_path, &progress));
   if (blob.size != src.header.file_size()) {
@@ -570,6 +627,8 @@ absl::StatusOr<ImportResult> ImportCheckpoint(Store& store,
         absl::StrCat(o.src, ": no such file or directory"));
   if (!IsDir(o.src)) {
     RETURN_IF_ERROR(PlanFull(store, {o.src}, {o.src}, nullptr, plan));
+  } else if (IsMegatronCheckpoint(o.src)) {
+    RETURN_IF_ERROR(PlanMegatron(store, o, plan));
   } else if (Exists(o.src + "/model.safetensors.index.json")) {
     RETURN_IF_ERROR(PlanIndex(store, o.src, plan));
   } else if (Exists(o.src + "/rank-00000") ||
@@ -631,9 +690,14 @@ absl::StatusOr<ImportResult> ImportCheckpoint(Store& store,
   Catalog::Batch batch;
   for (size_t i = 0; i < plan.extras.size(); ++i) {
     const ImportPlan::Extra& e = plan.extras[i];
-    ASSIGN_OR_RETURN(
-        BlobRecord blob,
-        CopyFileToBlob(e.source, store.BlobPath(extra_names[i]), nullptr));
+    absl::StatusOr<BlobRecord> copied =
+        e.source.empty()
+            ? WriteBlob(store.BlobPath(extra_names[i]), nullptr,
+                        [&](const auto& sink) {
+                          return sink(e.content.data(), e.content.size());
+                        })
+            : CopyFileToBlob(e.source, store.BlobPath(extra_names[i]), nullptr);
+    ASSIGN_OR_RETURN(BlobRecord blob, std::move(copied));
     blob.step = step;
     batch.Put(Table::kBlobs, extra_names[i], Store::EncodeBlob(blob));
     record.extra[e.rank].push_back({e.path, extra_names[i], blob.size});

@@ -1,0 +1,422 @@
+#include "transfer/megatron_checkpoint.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "ptc/status_macros.h"
+#include "transfer/files.h"
+#include "transfer/torch_archive.h"
+
+namespace scalai {
+namespace {
+
+using Kind = PickleValue::Kind;
+
+constexpr char kIterationFile[] = "latest_checkpointed_iteration.txt";
+constexpr char kRankFile[] = "model_optim_rng.pt";
+
+bool IsDirectory(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::string Basename(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  const size_t slash = p.rfind('/');
+  return slash == std::string::npos ? p : p.substr(slash + 1);
+}
+
+absl::Status FileError(const std::string& label, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat(label, ": ", why));
+}
+
+// The iteration directory and its number: DIR itself when it is iter_N (or
+// "release", Megatron's name for iteration 0), else the one DIR's
+// latest_checkpointed_iteration.txt names.
+absl::StatusOr<std::pair<std::string, int64_t>> FindIteration(
+    const std::string& dir) {
+  const std::string base = Basename(dir);
+  int64_t n = 0;
+  if (base.rfind("iter_", 0) == 0 && absl::SimpleAtoi(base.substr(5), &n)) {
+    return std::make_pair(dir, n);
+  }
+  if (base == "release") return std::make_pair(dir, int64_t{0});
+  std::ifstream in(dir + "/" + kIterationFile);
+  if (!in) {
+    return FileError(dir, absl::StrCat("has no ", kIterationFile,
+                                       " and is not an iter_* directory"));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string said(absl::StripAsciiWhitespace(text.str()));
+  std::string iter_dir;
+  if (said == "release") {
+    iter_dir = dir + "/release";
+  } else if (absl::SimpleAtoi(said, &n) && n >= 0) {
+    iter_dir = absl::StrFormat("%s/iter_%07d", dir, n);
+  } else {
+    return FileError(
+        dir + "/" + kIterationFile,
+        absl::StrCat("names \"", said, "\", not an iteration or \"release\""));
+  }
+  if (!IsDirectory(iter_dir)) {
+    return FileError(dir + "/" + kIterationFile,
+                     absl::StrCat("names iteration ", said, ", but ",
+                                  Basename(iter_dir), " is missing"));
+  }
+  return std::make_pair(iter_dir, n);
+}
+
+std::string RankDir(int tp_rank, int pp_rank, int pp) {
+  return pp == 1 ? absl::StrFormat("mp_rank_%02d", tp_rank)
+                 : absl::StrFormat("mp_rank_%02d_%03d", tp_rank, pp_rank);
+}
+
+// An int of the namespace `args`, when it has one.
+std::optional<int64_t> ArgInt(const PickleValue* args, absl::string_view key) {
+  if (args == nullptr) return std::nullopt;
+  const PickleValue* v = args->Find(key);
+  if (v == nullptr || v->kind != Kind::kInt) return std::nullopt;
+  return v->integer;
+}
+
+// The storage keys every tensor below `v` reads.
+absl::Status CollectStorages(const PickleValue& v, int depth,
+                             std::map<std::string, PickleTensor>& out) {
+  if (depth > 200) {
+    return absl::InvalidArgumentError(
+        "values nested deeper than 200 (a cycle?)");
+  }
+  if (v.kind == Kind::kTensor || v.kind == Kind::kStorage) {
+    out.emplace(v.tensor.storage_key, v.tensor);
+    return absl::OkStatus();
+  }
+  for (const PickleRef& i : v.items)
+    RETURN_IF_ERROR(CollectStorages(*i, depth + 1, out));
+  for (const auto& [k, i] : v.entries) {
+    RETURN_IF_ERROR(CollectStorages(*k, depth + 1, out));
+    RETURN_IF_ERROR(CollectStorages(*i, depth + 1, out));
+  }
+  return absl::OkStatus();
+}
+
+// Moves each parameter's optimizer state out of the optimizer's state dict
+// into `r.tensors`. Megatron numbers a rank's parameters by its param
+// groups: weight-decayed parameters (neither a bias nor 1-D) and the rest,
+// each group in model order, the groups in the order their first parameter
+// appears; param_groups[g]["params"] gives the numbers.
+absl::Status MoveOptimizerState(PickleValue& root, MegatronRankFile& r,
+                                size_t params) {
+  PickleValue* outer = root.Find("optimizer");
+  if (outer == nullptr || outer->kind != Kind::kDict) return absl::OkStatus();
+  PickleValue* inner = outer->Find("optimizer");
+  if (inner == nullptr || inner->kind != Kind::kDict) return absl::OkStatus();
+  PickleValue* state = inner->Find("state");
+  PickleValue* groups = inner->Find("param_groups");
+  if (state == nullptr || groups == nullptr || state->kind != Kind::kDict ||
+      groups->kind != Kind::kList) {
+    return FileError(r.label,
+                     "optimizer.optimizer lacks state or param_groups");
+  }
+  // Megatron's grouping of this rank's parameters.
+  std::vector<std::vector<size_t>> members;
+  std::vector<bool> group_decays;
+  for (size_t i = 0; i < params; ++i) {
+    const MegatronTensor& p = r.tensors[i];
+    const bool decays =
+        !(p.name.ends_with(".bias") || p.tensor.shape.size() == 1);
+    auto it = std::find(group_decays.begin(), group_decays.end(), decays);
+    if (it == group_decays.end()) {
+      group_decays.push_back(decays);
+      members.emplace_back();
+      it = group_decays.end() - 1;
+    }
+    members[it - group_decays.begin()].push_back(i);
+  }
+  if (groups->items.size() != members.size()) {
+    return FileError(
+        r.label,
+        absl::StrCat("the optimizer has ", groups->items.size(),
+                     " param groups; Megatron's grouping of the model's ",
+                     params,
+                     " parameters (weight decay, and biases and 1-D "
+                     "tensors without) gives ",
+                     members.size()));
+  }
+  std::map<int64_t, size_t> param_of;  // optimizer number -> parameter
+  for (size_t g = 0; g < members.size(); ++g) {
+    const PickleValue& group = *groups->items[g];
+    const PickleValue* numbers =
+        group.kind == Kind::kDict ? group.Find("params") : nullptr;
+    if (numbers == nullptr || numbers->kind != Kind::kList ||
+        numbers->items.size() != members[g].size()) {
+      return FileError(
+          r.label, absl::StrCat("param group ", g, " lists ",
+                                numbers == nullptr ? 0 : numbers->items.size(),
+                                " parameters; Megatron's grouping gives it ",
+                                members[g].size()));
+    }
+    for (size_t j = 0; j < members[g].size(); ++j) {
+      if (numbers->items[j]->kind != Kind::kInt)
+        return FileError(r.label, "a param group's params are not numbers");
+      param_of[numbers->items[j]->integer] = members[g][j];
+    }
+  }
+  std::vector<MegatronTensor> moved;
+  for (auto& [key, per_param] : state->entries) {
+    auto it =
+        key->kind == Kind::kInt ? param_of.find(key->integer) : param_of.end();
+    if (it == param_of.end() || per_param->kind != Kind::kDict) {
+      return FileError(r.label,
+                       "optimizer state for a parameter no param "
+                       "group lists");
+    }
+    const MegatronTensor& param = r.tensors[it->second];
+    std::vector<std::pair<PickleRef, PickleRef>> kept;
+    for (auto& [name, value] : per_param->entries) {
+      if (name->kind == Kind::kString && value->kind == Kind::kTensor &&
+          value->tensor.shape == param.tensor.shape) {
+        moved.push_back(
+            {absl::StrCat("optimizer.", name->text, ".", param.name),
+             value->tensor});
+      } else {
+        kept.emplace_back(name, value);
+      }
+    }
+    per_param->entries = std::move(kept);
+  }
+  // The fp32 master copies of fp16/bf16 parameters, by group and place.
+  if (PickleValue* masters = outer->Find("fp32_from_fp16_params");
+      masters != nullptr && masters->kind == Kind::kList) {
+    if (masters->items.size() != members.size()) {
+      return FileError(r.label,
+                       "fp32_from_fp16_params has another number of "
+                       "groups than param_groups");
+    }
+    for (size_t g = 0; g < members.size(); ++g) {
+      PickleValue& list = *masters->items[g];
+      if (list.kind != Kind::kList || list.items.size() != members[g].size()) {
+        return FileError(r.label,
+                         absl::StrCat("fp32_from_fp16_params group ", g,
+                                      " does not list its group's ",
+                                      members[g].size(), " parameters"));
+      }
+      for (size_t j = 0; j < list.items.size(); ++j) {
+        const MegatronTensor& param = r.tensors[members[g][j]];
+        PickleRef& master = list.items[j];
+        if (master->kind != Kind::kTensor ||
+            master->tensor.shape != param.tensor.shape) {
+          return FileError(r.label,
+                           absl::StrCat("the fp32 master copy of ", param.name,
+                                        " does not have its shape"));
+        }
+        moved.push_back({"optimizer.fp32_param." + param.name, master->tensor});
+        master = PickleValue::None();
+      }
+    }
+  }
+  for (MegatronTensor& t : moved) r.tensors.push_back(std::move(t));
+  return absl::OkStatus();
+}
+
+absl::Status ReadRank(const ParallelConfig& config, MegatronRankFile& r,
+                      int64_t& iteration) {
+  ASSIGN_OR_RETURN(auto archive, TorchArchive::Open(r.path, r.label));
+  ASSIGN_OR_RETURN(std::string pickle, archive->ReadRecord("data.pkl"));
+  absl::StatusOr<PickleRef> parsed = Unpickle(pickle);
+  if (!parsed.ok()) {
+    return absl::Status(parsed.status().code(),
+                        absl::StrCat(r.label, ": ", parsed.status().message()));
+  }
+  PickleValue& root = **parsed;
+  if (root.kind != Kind::kDict)
+    return FileError(r.label, "holds no dict (not a Megatron checkpoint)");
+  const PickleValue* args = root.Find("args");
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"tensor_model_parallel_size", config.tp()},
+      {"pipeline_model_parallel_size", config.pp()}};
+  for (const auto& [key, want] : sizes) {
+    if (std::optional<int64_t> saved = ArgInt(args, key);
+        saved && *saved != want) {
+      return FileError(
+          r.label, absl::StrCat("args.", key, " is ", *saved, "; the config ",
+                                config.ToString(), " says ", want));
+    }
+  }
+  if (const PickleValue* it = root.Find("iteration")) {
+    if (it->kind != Kind::kInt)
+      return FileError(r.label, "iteration is not an int");
+    iteration = it->integer;
+  }
+  PickleValue* model = root.Find("model");
+  if (model == nullptr) {
+    return FileError(r.label,
+                     root.Find("model0") != nullptr
+                         ? "holds model0, model1, ... (virtual pipeline "
+                           "stages), which are not read"
+                         : "has no model");
+  }
+  if (model->kind != Kind::kDict)
+    return FileError(r.label, "model is not a dict");
+  std::vector<std::pair<PickleRef, PickleRef>> kept;
+  for (auto& [key, value] : model->entries) {
+    if (key->kind != Kind::kString)
+      return FileError(r.label, "model has a key that is not a string");
+    if (value->kind == Kind::kTensor) {
+      r.tensors.push_back({key->text, value->tensor});
+    } else {
+      kept.emplace_back(key, value);  // _extra_state and the like
+    }
+  }
+  model->entries = std::move(kept);
+  RETURN_IF_ERROR(MoveOptimizerState(root, r, r.tensors.size()));
+
+  std::vector<SafetensorsEntry> entries;
+  for (const MegatronTensor& t : r.tensors) {
+    SafetensorsEntry e;
+    e.name = t.name;
+    e.dtype = t.tensor.dtype;
+    e.shape = t.tensor.shape;
+    entries.push_back(std::move(e));
+  }
+  auto header = SafetensorsHeader::Build(
+      std::move(entries), {{"scalai.step", absl::StrCat(iteration)}});
+  if (!header.ok()) return FileError(r.label, header.status().message());
+  r.header = *std::move(header);
+
+  // The remainder, with the storages its tensors still read.
+  std::map<std::string, PickleTensor> storages;
+  RETURN_IF_ERROR(CollectStorages(root, 0, storages));
+  ASSIGN_OR_RETURN(std::string rest, Pickle(root));
+  TorchArchiveWriter out("archive");
+  out.Add("data.pkl", std::move(rest));
+  for (const auto& [key, t] : storages) {
+    ASSIGN_OR_RETURN(
+        std::string bytes,
+        archive->ReadStorage(key, t.storage_elements * DTypeSize(t.dtype)));
+    out.Add("data/" + key, std::move(bytes));
+  }
+  ASSIGN_OR_RETURN(r.remainder, out.Finish());
+  return absl::OkStatus();
+}
+
+// Copies the elements of view `t` of `storage` to `out`, in C order.
+void Gather(const PickleTensor& t, const std::string& storage, char* out) {
+  const int64_t elem = DTypeSize(t.dtype);
+  if (t.contiguous()) {
+    std::memcpy(out, storage.data() + t.offset * elem, t.elements() * elem);
+    return;
+  }
+  const int rank = static_cast<int>(t.shape.size());
+  std::vector<int64_t> idx(rank, 0);
+  for (int64_t n = t.elements(); n > 0; --n) {
+    int64_t at = t.offset;
+    for (int d = 0; d < rank; ++d) at += idx[d] * t.stride[d];
+    std::memcpy(out, storage.data() + at * elem, elem);
+    out += elem;
+    for (int d = rank - 1; d >= 0 && ++idx[d] == t.shape[d]; --d) idx[d] = 0;
+  }
+}
+
+}  // namespace
+
+bool IsMegatronCheckpoint(const std::string& dir) {
+  const std::string base = Basename(dir);
+  struct stat st;
+  return (base.rfind("iter_", 0) == 0 || base == "release" ||
+          stat((dir + "/" + kIterationFile).c_str(), &st) == 0) &&
+         IsDirectory(dir);
+}
+
+absl::StatusOr<MegatronCheckpoint> ReadMegatronCheckpoint(
+    const std::string& dir, const ParallelConfig& config) {
+  if (config.fsdp() > 1 || config.distopt()) {
+    return FileError(
+        dir, absl::StrCat("a Megatron model_optim_rng.pt checkpoint is read "
+                          "under a config without fsdp or distopt, not ",
+                          config.ToString(),
+                          " (the distributed optimizer's own "
+                          "distrib_optim.pt files are not read)"));
+  }
+  ASSIGN_OR_RETURN(auto found, FindIteration(dir));
+  MegatronCheckpoint c;
+  c.iter_dir = found.first;
+  c.iteration = found.second;
+  const std::string iter_name = Basename(c.iter_dir);
+  ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(c.iter_dir));
+  std::set<std::string> expected;
+  for (int pp_rank = 0; pp_rank < config.pp(); ++pp_rank) {
+    for (int tp_rank = 0; tp_rank < config.tp(); ++tp_rank)
+      expected.insert(RankDir(tp_rank, pp_rank, config.pp()));
+  }
+  for (const std::string& name : names) {
+    if (name.rfind("mp_rank_", 0) == 0 && !expected.contains(name)) {
+      return FileError(
+          c.iter_dir + "/" + name,
+          absl::StrCat("is not a rank of tp=", config.tp(), ",pp=", config.pp(),
+                       " (expected ", absl::StrJoin(expected, ", "), ")"));
+    }
+  }
+  for (int pp_rank = 0; pp_rank < config.pp(); ++pp_rank) {
+    for (int tp_rank = 0; tp_rank < config.tp(); ++tp_rank) {
+      MegatronRankFile r;
+      r.tp_rank = tp_rank;
+      r.pp_rank = pp_rank;
+      const std::string rank_dir = RankDir(tp_rank, pp_rank, config.pp());
+      r.label = absl::StrCat(iter_name, "/", rank_dir, "/", kRankFile);
+      r.path = absl::StrCat(c.iter_dir, "/", rank_dir, "/", kRankFile);
+      struct stat st;
+      if (stat(r.path.c_str(), &st) != 0) {
+        return FileError(
+            c.iter_dir,
+            absl::StrCat(rank_dir, "/", kRankFile,
+                         " is missing (tp=", config.tp(), ",pp=", config.pp(),
+                         " has ", config.tp() * config.pp(), " rank files)"));
+      }
+      int64_t iteration = c.iteration;
+      RETURN_IF_ERROR(ReadRank(config, r, iteration));
+      if (iteration != c.iteration) {
+        return FileError(r.label,
+                         absl::StrCat("says iteration ", iteration,
+                                      "; its directory says ", c.iteration));
+      }
+      c.ranks.push_back(std::move(r));
+    }
+  }
+  return c;
+}
+
+absl::Status StreamMegatronShard(
+    const MegatronRankFile& rank,
+    const std::function<absl::Status(const char*, int64_t)>& sink) {
+  const std::string head = rank.header.Serialize();
+  RETURN_IF_ERROR(sink(head.data(), head.size()));
+  ASSIGN_OR_RETURN(auto archive, TorchArchive::Open(rank.path, rank.label));
+  std::string key, storage, out;
+  for (const MegatronTensor& t : rank.tensors) {
+    const int64_t elem = DTypeSize(t.tensor.dtype);
+    if (t.tensor.storage_key != key || key.empty()) {
+      key = t.tensor.storage_key;
+      ASSIGN_OR_RETURN(
+          storage, archive->ReadStorage(key, t.tensor.storage_elements * elem));
+    }
+    out.resize(t.tensor.elements() * elem);
+    Gather(t.tensor, storage, out.data());
+    RETURN_IF_ERROR(sink(out.data(), out.size()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace scalai

@@ -1,0 +1,77 @@
+// A Megatron-LM checkpoint as `torch.save` wrote it:
+//   DIR/latest_checkpointed_iteration.txt
+//   DIR/iter_NNNNNNN/mp_rank_TT/model_optim_rng.pt       (pp = 1)
+//   DIR/iter_NNNNNNN/mp_rank_TT_PPP/model_optim_rng.pt   (pp > 1)
+// read without running its pickles (ptc/pickle.h). Each rank file becomes
+// one shard of the import config: its `model` tensors under their
+// Megatron-Core names, then its optimizer's per-parameter state
+// (`optimizer.exp_avg.NAME`, `optimizer.exp_avg_sq.NAME`, the fp32 master
+// copy `optimizer.fp32_param.NAME`), which then follows its parameter when
+// the config changes. Everything else of the file (args, iteration,
+// checkpoint_version, RNG state, param_groups, the grad scaler, the
+// scheduler) is its *remainder*, kept as a torch.save file of its own.
+//
+//   ASSIGN_OR_RETURN(MegatronCheckpoint c, ReadMegatronCheckpoint(dir, config));
+//   for (const MegatronRankFile& r : c.ranks)  // by shard group
+//     RETURN_IF_ERROR(StreamMegatronShard(r, sink));  // safetensors bytes
+#ifndef SCALAI_TRANSFER_MEGATRON_CHECKPOINT_H_
+#define SCALAI_TRANSFER_MEGATRON_CHECKPOINT_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "ptc/parallel_config.h"
+#include "ptc/pickle.h"
+#include "ptc/safetensors.h"
+
+namespace scalai {
+
+struct MegatronTensor {
+  std::string name;  // as the shard names it
+  PickleTensor tensor;
+};
+
+struct MegatronRankFile {
+  int tp_rank = 0;
+  int pp_rank = 0;
+  std::string path;
+  std::string label;  // "iter_0000100/mp_rank_01_000/model_optim_rng.pt"
+  std::vector<MegatronTensor> tensors;
+  // The shard Scalai stores: `tensors` in order, with the iteration as
+  // its "scalai.step".
+  SafetensorsHeader header;
+  // The rest of the file, a torch.save zip (its tensors' storages copied).
+  std::string remainder;
+};
+
+struct MegatronCheckpoint {
+  std::string iter_dir;
+  int64_t iteration = 0;
+  std::vector<MegatronRankFile>
+      ranks;  // by shard group: pp_rank * tp + tp_rank
+};
+
+// Where a remainder appears among a step's extra files.
+inline constexpr char kMegatronRemainderPath[] = "megatron/model_optim_rng.pt";
+
+// Whether `dir` is a Megatron checkpoint: an iter_* directory, or a
+// directory with latest_checkpointed_iteration.txt.
+bool IsMegatronCheckpoint(const std::string& dir);
+
+// Reads every rank file of `dir` (or of the iteration its
+// latest_checkpointed_iteration.txt names) saved under `config`, checking
+// each against the config's tp and pp and the others. Errors name the file.
+absl::StatusOr<MegatronCheckpoint> ReadMegatronCheckpoint(
+    const std::string& dir, const ParallelConfig& config);
+
+// Writes `rank`'s shard as a safetensors file's bytes to `sink`, in order.
+absl::Status StreamMegatronShard(
+    const MegatronRankFile& rank,
+    const std::function<absl::Status(const char*, int64_t)>& sink);
+
+}  // namespace scalai
+
+#endif  // SCALAI_TRANSFER_MEGATRON_CHECKPOINT_H_
