@@ -299,16 +299,16 @@ absl::Status ReadRank(const ParallelConfig& config, MegatronRankFile& r,
   // The remainder, with the storages its tensors still read.
   std::map<std::string, PickleTensor> storages;
   RETURN_IF_ERROR(CollectStorages(root, 0, storages));
+  std::vector<std::pair<std::string, std::string>> records;
   ASSIGN_OR_RETURN(std::string rest, Pickle(root));
-  TorchArchiveWriter out("archive");
-  out.Add("data.pkl", std::move(rest));
+  records.emplace_back("data.pkl", std::move(rest));
   for (const auto& [key, t] : storages) {
     ASSIGN_OR_RETURN(
         std::string bytes,
         archive->ReadStorage(key, t.storage_elements * DTypeSize(t.dtype)));
-    out.Add("data/" + key, std::move(bytes));
+    records.emplace_back("data/" + key, std::move(bytes));
   }
-  ASSIGN_OR_RETURN(r.remainder, out.Finish());
+  ASSIGN_OR_RETURN(r.remainder, TorchArchiveBytes("archive", records));
   return absl::OkStatus();
 }
 

@@ -3,6 +3,9 @@
 #include <zip.h>
 #include <zlib.h>
 
+#include <algorithm>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
 
@@ -17,6 +20,12 @@ void Put32(std::string& out, uint32_t v) {
   Put16(out, v & 0xffff);
   Put16(out, v >> 16);
 }
+void Put64(std::string& out, uint64_t v) {
+  Put32(out, static_cast<uint32_t>(v));
+  Put32(out, static_cast<uint32_t>(v >> 32));
+}
+
+constexpr uint32_t kMax32 = 0xffffffff;
 
 }  // namespace
 
@@ -108,78 +117,166 @@ absl::StatusOr<std::string> TorchArchive::ReadStorage(const std::string& key,
   return ReadRecord(name, bytes);
 }
 
-void TorchArchiveWriter::Add(const std::string& name, std::string bytes) {
-  records_.emplace_back(prefix_ + "/" + name, std::move(bytes));
+uint32_t Crc32(uint32_t crc, const void* data, int64_t bytes) {
+  const auto* at = static_cast<const Bytef*>(data);
+  while (bytes > 0) {
+    const uInt n = static_cast<uInt>(std::min<int64_t>(bytes, 1 << 30));
+    crc = static_cast<uint32_t>(crc32(crc, at, n));
+    at += n;
+    bytes -= n;
+  }
+  return crc;
 }
 
-absl::StatusOr<std::string> TorchArchiveWriter::Finish() {
-  bool versioned = false;
-  for (const auto& [name, bytes] : records_)
-    versioned = versioned || name == prefix_ + "/version";
-  if (!versioned) Add("version", "3\n");
-  std::string out, central;
-  for (const auto& [name, bytes] : records_) {
-    const uint32_t crc = crc32(crc32(0, nullptr, 0),
-                               reinterpret_cast<const Bytef*>(bytes.data()),
-                               static_cast<uInt>(bytes.size()));
-    const uint64_t offset = out.size();
-    // The data starts at a multiple of 64: an extra field of padding
-    // (id "FB", as torch writes it) fills the gap.
-    const uint64_t header_end = offset + 30 + name.size() + 4;
-    const uint64_t pad = (64 - header_end % 64) % 64;
-    Put32(out, 0x04034b50);
-    Put16(out, 20);  // version needed
-    Put16(out, 0);   // flags
-    Put16(out, 0);   // stored
-    Put16(out, 0);   // time
-    Put16(out, 0);   // date
-    Put32(out, crc);
-    Put32(out, static_cast<uint32_t>(bytes.size()));
-    Put32(out, static_cast<uint32_t>(bytes.size()));
-    Put16(out, static_cast<uint32_t>(name.size()));
-    Put16(out, static_cast<uint32_t>(4 + pad));
-    out += name;
-    Put16(out, 0x4246);
-    Put16(out, static_cast<uint32_t>(pad));
-    out.append(pad, 'Z');
-    out += bytes;
+absl::Status TorchArchiveWriter::Put(const std::string& bytes) {
+  RETURN_IF_ERROR(write_(bytes.data(), bytes.size()));
+  position_ += bytes.size();
+  return absl::OkStatus();
+}
 
+absl::Status TorchArchiveWriter::Begin(const std::string& name, int64_t bytes) {
+  if (open_) return absl::InternalError("a record begun before the last ended");
+  Record r{prefix_ + "/" + name, static_cast<uint64_t>(bytes), position_, 0};
+  const bool zip64 = r.size >= kMax32;
+  // The data starts at a multiple of 64: an extra field of padding (id
+  // "FB", as torch writes it) fills the gap, after the ZIP64 sizes if any.
+  const uint64_t fixed = 30 + r.name.size() + (zip64 ? 20 : 0) + 4;
+  const uint64_t pad = (64 - (position_ + fixed) % 64) % 64;
+  std::string h;
+  Put32(h, 0x04034b50);
+  Put16(h, zip64 ? 45 : 20);  // version needed
+  Put16(h, 0);                // flags
+  Put16(h, 0);                // stored
+  Put16(h, 0);                // time
+  Put16(h, 0x21);             // date: 1980-01-01
+  Put32(h, 0);                // CRC-32, patched by End
+  Put32(h, zip64 ? kMax32 : static_cast<uint32_t>(r.size));
+  Put32(h, zip64 ? kMax32 : static_cast<uint32_t>(r.size));
+  Put16(h, static_cast<uint32_t>(r.name.size()));
+  Put16(h, static_cast<uint32_t>((zip64 ? 20 : 0) + 4 + pad));
+  h += r.name;
+  if (zip64) {
+    Put16(h, 0x0001);
+    Put16(h, 16);
+    Put64(h, r.size);
+    Put64(h, r.size);
+  }
+  Put16(h, 0x4246);
+  Put16(h, static_cast<uint32_t>(pad));
+  h.append(pad, 'Z');
+  RETURN_IF_ERROR(Put(h));
+  records_.push_back(std::move(r));
+  open_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status TorchArchiveWriter::End(uint32_t crc) {
+  if (!open_) return absl::InternalError("a record ended that was not begun");
+  open_ = false;
+  Record& r = records_.back();
+  r.crc = crc;
+  position_ += r.size;  // the caller wrote the data
+  std::string c;
+  Put32(c, crc);
+  return patch_(static_cast<int64_t>(r.offset) + 14, c.data(), c.size());
+}
+
+absl::Status TorchArchiveWriter::Add(const std::string& name,
+                                     const std::string& bytes) {
+  RETURN_IF_ERROR(Begin(name, bytes.size()));
+  RETURN_IF_ERROR(write_(bytes.data(), bytes.size()));
+  return End(Crc32(0, bytes.data(), bytes.size()));
+}
+
+absl::Status TorchArchiveWriter::Finish() {
+  bool versioned = false;
+  for (const Record& r : records_)
+    versioned = versioned || r.name == prefix_ + "/version";
+  if (!versioned) RETURN_IF_ERROR(Add("version", "3\n"));
+  const uint64_t central_at = position_;
+  std::string central;
+  for (const Record& r : records_) {
+    const bool big = r.size >= kMax32, far = r.offset >= kMax32;
+    std::string extra;
+    if (big || far) {
+      Put16(extra, 0x0001);
+      Put16(extra, (big ? 16 : 0) + (far ? 8 : 0));
+      if (big) {
+        Put64(extra, r.size);
+        Put64(extra, r.size);
+      }
+      if (far) Put64(extra, r.offset);
+    }
     Put32(central, 0x02014b50);
-    Put16(central, 20);  // made by
-    Put16(central, 20);  // needed
+    Put16(central, big || far ? 45 : 20);  // made by
+    Put16(central, big || far ? 45 : 20);  // needed
     Put16(central, 0);
     Put16(central, 0);
     Put16(central, 0);
-    Put16(central, 0);
-    Put32(central, crc);
-    Put32(central, static_cast<uint32_t>(bytes.size()));
-    Put32(central, static_cast<uint32_t>(bytes.size()));
-    Put16(central, static_cast<uint32_t>(name.size()));
-    Put16(central, 0);  // extra
+    Put16(central, 0x21);
+    Put32(central, r.crc);
+    Put32(central, big ? kMax32 : static_cast<uint32_t>(r.size));
+    Put32(central, big ? kMax32 : static_cast<uint32_t>(r.size));
+    Put16(central, static_cast<uint32_t>(r.name.size()));
+    Put16(central, static_cast<uint32_t>(extra.size()));
     Put16(central, 0);  // comment
     Put16(central, 0);  // disk
     Put16(central, 0);  // internal attributes
     Put32(central, 0);  // external attributes
-    Put32(central, static_cast<uint32_t>(offset));
-    central += name;
-    if (out.size() >= (uint64_t{1} << 32)) break;
+    Put32(central, far ? kMax32 : static_cast<uint32_t>(r.offset));
+    central += r.name;
+    central += extra;
   }
-  const uint64_t central_at = out.size();
-  if (central_at + central.size() >= (uint64_t{1} << 32) ||
-      records_.size() >= 0xffff) {
-    return absl::InvalidArgumentError(
-        "a torch archive of 4 GiB or more, or of 65535 records, needs ZIP64, "
-        "which this writer does not write");
+  RETURN_IF_ERROR(Put(central));
+  const uint64_t count = records_.size();
+  const bool zip64 =
+      count >= 0xffff || central.size() >= kMax32 || central_at >= kMax32;
+  std::string end;
+  if (zip64) {
+    const uint64_t record_at = position_;
+    Put32(end, 0x06064b50);
+    Put64(end, 44);
+    Put16(end, 45);
+    Put16(end, 45);
+    Put32(end, 0);
+    Put32(end, 0);
+    Put64(end, count);
+    Put64(end, count);
+    Put64(end, central.size());
+    Put64(end, central_at);
+    Put32(end, 0x07064b50);  // the locator
+    Put32(end, 0);
+    Put64(end, record_at);
+    Put32(end, 1);
   }
-  out += central;
-  Put32(out, 0x06054b50);
-  Put16(out, 0);
-  Put16(out, 0);
-  Put16(out, static_cast<uint32_t>(records_.size()));
-  Put16(out, static_cast<uint32_t>(records_.size()));
-  Put32(out, static_cast<uint32_t>(central.size()));
-  Put32(out, static_cast<uint32_t>(central_at));
-  Put16(out, 0);
+  Put32(end, 0x06054b50);
+  Put16(end, 0);
+  Put16(end, 0);
+  Put16(end, zip64 ? 0xffff : static_cast<uint32_t>(count));
+  Put16(end, zip64 ? 0xffff : static_cast<uint32_t>(count));
+  Put32(end, zip64 ? kMax32 : static_cast<uint32_t>(central.size()));
+  Put32(end, zip64 ? kMax32 : static_cast<uint32_t>(central_at));
+  Put16(end, 0);
+  return Put(end);
+}
+
+absl::StatusOr<std::string> TorchArchiveBytes(
+    const std::string& prefix,
+    const std::vector<std::pair<std::string, std::string>>& records) {
+  std::string out;
+  TorchArchiveWriter writer(
+      prefix,
+      [&](const void* data, int64_t n) {
+        out.append(static_cast<const char*>(data), n);
+        return absl::OkStatus();
+      },
+      [&](int64_t at, const void* data, int64_t n) {
+        std::memcpy(out.data() + at, data, n);
+        return absl::OkStatus();
+      });
+  for (const auto& [name, bytes] : records)
+    RETURN_IF_ERROR(writer.Add(name, bytes));
+  RETURN_IF_ERROR(writer.Finish());
   return out;
 }
 
