@@ -1,4 +1,5 @@
-// `scalai export`: a stored step as per-rank shards for any config, or merged.
+// `scalai export`: a stored step as per-rank shards for any config (as
+// safetensors or as a Megatron-LM checkpoint), or merged.
 #include <cstdio>
 #include <memory>
 #include <optional>
@@ -20,6 +21,7 @@ struct ExportCliOptions {
   int64_t step = 0;
   CLI::Option* step_option = nullptr;
   bool merged = false;
+  std::string format = "safetensors";
   int64_t max_file_bytes = int64_t{5} << 30;
 };
 
@@ -29,6 +31,9 @@ absl::Status RunExport(const ExportCliOptions& o) {
   options.out = o.out;
   options.step = OptionalValue(o.step_option, o.step);
   options.merged = o.merged;
+  options.megatron = o.format == "megatron";
+  if (o.merged && options.megatron)
+    return absl::InvalidArgumentError("--merged writes safetensors only");
   options.max_file_bytes = o.max_file_bytes;
   if (!o.merged) {
     if (o.config.empty())
@@ -61,6 +66,11 @@ Command AddExportCommand(CLI::App& root) {
       app->add_flag("--merged", o->merged,
                     "write the full model as a Hugging Face sharded directory");
   config->excludes(merged);
+  app->add_option("--format", o->format,
+                  "safetensors (rank-NNNNN/model.safetensors, or --merged) or "
+                  "megatron (iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt)")
+      ->check(CLI::IsMember({"safetensors", "megatron"}))
+      ->capture_default_str();
   o->step_option =
       app->add_option("--step", o->step, "step (default: the newest)");
   app->add_option("--max-file-bytes", o->max_file_bytes,

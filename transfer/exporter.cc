@@ -19,7 +19,9 @@
 #include "transfer/blob_reader.h"
 #include "transfer/box_copy.h"
 #include "transfer/mapping_guard.h"
+#include "transfer/megatron_checkpoint.h"
 #include "transfer/step_bytes.h"
+#include "transfer/torch_archive.h"
 #include "transfer/write_behind.h"
 
 namespace scalai {
@@ -30,6 +32,12 @@ struct OutputFile {
   std::string name;  // relative to the output directory
   std::vector<ShardRef> shards;
   std::map<std::string, std::string> metadata;
+  // A Megatron rank file (model_optim_rng.pt) rather than safetensors: its
+  // config and step, and the remainder blob it starts from ("" for none).
+  bool megatron = false;
+  const ParallelConfig* config = nullptr;
+  int64_t step = 0;
+  std::string remainder_path;
 };
 
 // An output file written front to back, streamed to disk as it grows
@@ -38,7 +46,16 @@ class OutputStream {
  public:
   OutputStream(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
 
+  // From now on, bytes written are summed into crc() (and never copied
+  // inside the kernel, where they would not pass by).
+  void StartCrc() {
+    crc_on_ = true;
+    crc_ = 0;
+  }
+  uint32_t crc() const { return crc_; }
+
   absl::Status Write(const void* data, int64_t length) {
+    if (crc_on_) crc_ = Crc32(crc_, data, length);
     const char* at = static_cast<const char*>(data);
     for (int64_t done = 0; done < length;) {
       const int64_t n = std::min(length - done, WriteBehind::kSpanBytes);
@@ -57,7 +74,7 @@ class OutputStream {
     loff_t in = t.offset + offset;
     int64_t done = 0;
     absl::StatusOr<UniqueFd> source = t.blob->OpenFd();
-    while (source.ok() && done < length) {
+    while (source.ok() && !crc_on_ && done < length) {
       const int64_t want = std::min(length - done, WriteBehind::kSpanBytes);
       ssize_t n = copy_file_range(source->get(), &in, fd_, nullptr, want, 0);
       if (n < 0 && errno == EINTR) continue;
@@ -88,11 +105,17 @@ class OutputStream {
   std::string path_;
   int64_t written_ = 0;
   WriteBehind behind_;
+  bool crc_on_ = false;
+  uint32_t crc_ = 0;
 };
 
 // Segments at least this long (on average) are copied inside the kernel;
 // shorter ones (rows of a split along dim 1) are gathered in memory first.
 constexpr int64_t kKernelCopyMinBytes = 256 << 10;
+
+absl::Status WriteShard(OutputStream& stream, ShardRef r,
+                        const ReshardPlan& plan, const StepBytes& src,
+                        std::vector<std::byte>& buffer);
 
 absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
                          const ReshardPlan& plan, const StepBytes& src,
@@ -105,25 +128,69 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
     entries.push_back(
         {s.local_name, model.tensor(s.tensor).dtype, s.local_shape, 0, 0});
   }
-  ASSIGN_OR_RETURN(SafetensorsHeader header,
-                   SafetensorsHeader::Build(std::move(entries), file.metadata));
   const std::string path = dir + "/" + file.name;
   const std::string tmp = path + ".tmp";
   ASSIGN_OR_RETURN(UniqueFd out,
                    OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644));
   OutputStream stream(out.get(), tmp);
-  std::string head = header.Serialize();
-  RETURN_IF_ERROR(stream.Write(head.data(), head.size()));
   std::vector<std::byte> buffer;
-  for (ShardRef r : file.shards) {
+  if (file.megatron) {
+    // A torch.save zip: the pickle, then each tensor as its storage's
+    // record, then the storages the pickle takes from the remainder.
+    ASSIGN_OR_RETURN(MegatronRankOutput rank,
+                     BuildMegatronRank(entries, file.remainder_path,
+                                       *file.config, file.step));
+    TorchArchiveWriter zip(
+        "archive",
+        [&](const void* data, int64_t n) { return stream.Write(data, n); },
+        [&](int64_t at, const void* data, int64_t n) {
+          if (pwrite(out.get(), data, n, at) != n)
+            return ErrnoError(errno, "write", tmp);
+          return absl::OkStatus();
+        });
+    RETURN_IF_ERROR(zip.Add("data.pkl", rank.pickle));
+    for (size_t k = 0; k < file.shards.size(); ++k) {
+      const TensorShard& dst =
+          to.shards(file.shards[k].group)[file.shards[k].shard];
+      RETURN_IF_ERROR(zip.Begin(absl::StrCat("data/", k), dst.bytes));
+      stream.StartCrc();
+      RETURN_IF_ERROR(WriteShard(stream, file.shards[k], plan, src, buffer));
+      RETURN_IF_ERROR(zip.End(stream.crc()));
+      progress.Add(dst.bytes);
+    }
+    for (const auto& [key, bytes] : rank.storages)
+      RETURN_IF_ERROR(zip.Add("data/" + key, bytes));
+    RETURN_IF_ERROR(zip.Finish());
+  } else {
+    ASSIGN_OR_RETURN(
+        SafetensorsHeader header,
+        SafetensorsHeader::Build(std::move(entries), file.metadata));
+    std::string head = header.Serialize();
+    RETURN_IF_ERROR(stream.Write(head.data(), head.size()));
+    for (ShardRef r : file.shards) {
+      RETURN_IF_ERROR(WriteShard(stream, r, plan, src, buffer));
+      progress.Add(to.shards(r.group)[r.shard].bytes);
+    }
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0)
+    return ErrnoError(errno, "rename", tmp);
+  return absl::OkStatus();
+}
+
+// Writes destination shard `r`'s bytes to `stream`: an identical stored
+// shard's as they are, else gathered through the plan.
+absl::Status WriteShard(OutputStream& stream, ShardRef r,
+                        const ReshardPlan& plan, const StepBytes& src,
+                        std::vector<std::byte>& buffer) {
+  const Placement& to = plan.to();
+  const Model& model = to.model();
+  {
     const TensorShard& dst = to.shards(r.group)[r.shard];
     const int elem = DTypeSize(model.tensor(dst.tensor).dtype);
     ShardRef same = plan.in_place_source(r.group, r.shard);
     if (same.valid()) {
       // An identical stored shard: its bytes go out as they are.
-      RETURN_IF_ERROR(stream.CopyStored(src.tensor(same), 0, dst.bytes));
-      progress.Add(dst.bytes);
-      continue;
+      return stream.CopyStored(src.tensor(same), 0, dst.bytes);
     }
     ASSIGN_OR_RETURN(std::vector<Segment> segments,
                      plan.Resolve(r.group, r.shard, 0, dst.bytes));
@@ -161,10 +228,7 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
       }
       RETURN_IF_ERROR(stream.Write(buffer.data(), dst.bytes));
     }
-    progress.Add(dst.bytes);
   }
-  if (rename(tmp.c_str(), path.c_str()) != 0)
-    return ErrnoError(errno, "rename", tmp);
   return absl::OkStatus();
 }
 
@@ -224,7 +288,9 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
     for (size_t k = 0; k < shards.size(); ++k) {
       if (files.empty() ||
           (size > 0 && size + shards[k].bytes > o.max_file_bytes)) {
-        files.push_back({"", {}, {{"format", "pt"}}});
+        OutputFile file;
+        file.metadata = {{"format", "pt"}};
+        files.push_back(std::move(file));
         size = 0;
       }
       files.back().shards.push_back({0, static_cast<int>(k)});
@@ -242,10 +308,32 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
     if (!placement.ok()) return placement.status();
     to = std::make_shared<const Placement>(*std::move(placement));
     const ParallelConfig& c = *o.config;
+    if (o.megatron && (c.fsdp() > 1 || c.distopt())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a Megatron checkpoint is written for a config without fsdp or "
+          "distopt, not ",
+          c.ToString()));
+    }
     for (int g = 0; g < c.num_shard_groups(); ++g) {
       const int rank = c.SaverOfGroup(g);
-      OutputFile file{
-          absl::StrFormat("rank-%05d/model.safetensors", rank), {}, {}};
+      OutputFile file;
+      file.name = absl::StrFormat("rank-%05d/model.safetensors", rank);
+      if (o.megatron) {
+        const RankCoords at = c.Coords(rank);
+        file.name = MegatronRankPath(step.step, at.tp_rank, at.pp_rank, c.pp());
+        file.megatron = true;
+        file.config = &c;
+        file.step = step.step;
+        ASSIGN_OR_RETURN(std::vector<ExtraFile> extras,
+                         step.ExtraFilesSeenBy(c, rank));
+        for (const ExtraFile& f : extras) {
+          if (f.path != kMegatronRemainderPath) continue;
+          std::shared_ptr<const BlobReader> blob =
+              BlobReader::Open(store, f.blob);
+          RETURN_IF_ERROR(blob->Verify(0, blob->size()));
+          file.remainder_path = store.BlobPath(f.blob);
+        }
+      }
       for (size_t k = 0; k < to->shards(g).size(); ++k) {
         file.shards.push_back({g, static_cast<int>(k)});
       }
@@ -268,11 +356,12 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
   };
   std::set<std::string> dirs = {o.out};
   for (const OutputFile& f : files) {
-    size_t slash = f.name.find('/');
-    if (slash == std::string::npos) continue;
-    std::string dir = o.out + "/" + f.name.substr(0, slash);
-    if (dirs.insert(dir).second && mkdir(dir.c_str(), 0755) != 0) {
-      return ErrnoError(errno, "create", dir);
+    for (size_t slash = f.name.find('/'); slash != std::string::npos;
+         slash = f.name.find('/', slash + 1)) {
+      std::string dir = o.out + "/" + f.name.substr(0, slash);
+      if (dirs.insert(dir).second && mkdir(dir.c_str(), 0755) != 0) {
+        return ErrnoError(errno, "create", dir);
+      }
     }
   }
   int64_t total = 0;
@@ -283,7 +372,13 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
   RETURN_IF_ERROR(ParallelFor(files.size(), IoThreads(), [&](size_t i) {
     return WriteOutput(o.out, files[i], plan, src, progress);
   }));
-  if (!o.merged) {
+  if (o.megatron) {
+    const std::string text = absl::StrCat(step.step, "\n");
+    const std::string path = o.out + "/latest_checkpointed_iteration.txt";
+    ASSIGN_OR_RETURN(UniqueFd fd,
+                     OpenFile(path, O_WRONLY | O_CREAT | O_TRUNC, 0644));
+    RETURN_IF_ERROR(WriteAll(fd.get(), text.data(), text.size(), path));
+  } else if (!o.merged) {
     const ParallelConfig& c = *o.config;
     for (int g = 0; g < c.num_shard_groups(); ++g) {
       RETURN_IF_ERROR(

@@ -1,6 +1,6 @@
 // Exports a stored step as per-rank shards for any config (the bytes the mount
-// shows, extra/ files included), or as the full model in a Hugging Face
-// sharded directory. Output
+// shows, extra/ files included), as a Megatron-LM checkpoint for any config,
+// or as the full model in a Hugging Face sharded directory. Output
 // files are written under temporary names, fsynced and renamed.
 //
 //   ExportOptions o{.out = "out", .config = config};
@@ -25,6 +25,10 @@ struct ExportOptions {
   // Per-rank shards for this config; ignored with `merged`.
   std::optional<ParallelConfig> config;
   bool merged = false;
+  // Megatron-LM's own layout for the config's dp_rank 0 ranks (no fsdp, no
+  // distopt): iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt and
+  // latest_checkpointed_iteration.txt.
+  bool megatron = false;
   // With `merged`: the largest file before the next one starts.
   int64_t max_file_bytes = int64_t{5} << 30;
   ProgressFn progress;

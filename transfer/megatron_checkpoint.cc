@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "ptc/placement.h"
 #include "ptc/status_macros.h"
 #include "transfer/files.h"
 #include "transfer/torch_archive.h"
@@ -112,6 +113,31 @@ absl::Status CollectStorages(const PickleValue& v, int depth,
   return absl::OkStatus();
 }
 
+// Megatron's param groups of a rank's parameters (name, number of dims):
+// weight-decayed ones (neither a bias nor 1-D) and the rest, each group in
+// model order, the groups in the order their first parameter appears.
+struct ParamGroups {
+  std::vector<std::vector<size_t>> members;  // indices into the parameters
+  std::vector<bool> decays;                  // by group
+};
+
+ParamGroups MegatronParamGroups(
+    const std::vector<std::pair<std::string, size_t>>& params) {
+  ParamGroups g;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const bool decays =
+        !(params[i].first.ends_with(".bias") || params[i].second == 1);
+    auto it = std::find(g.decays.begin(), g.decays.end(), decays);
+    if (it == g.decays.end()) {
+      g.decays.push_back(decays);
+      g.members.emplace_back();
+      it = g.decays.end() - 1;
+    }
+    g.members[it - g.decays.begin()].push_back(i);
+  }
+  return g;
+}
+
 // Moves each parameter's optimizer state out of the optimizer's state dict
 // into `r.tensors`. Megatron numbers a rank's parameters by its param
 // groups: weight-decayed parameters (neither a bias nor 1-D) and the rest,
@@ -130,21 +156,12 @@ absl::Status MoveOptimizerState(PickleValue& root, MegatronRankFile& r,
     return FileError(r.label,
                      "optimizer.optimizer lacks state or param_groups");
   }
-  // Megatron's grouping of this rank's parameters.
-  std::vector<std::vector<size_t>> members;
-  std::vector<bool> group_decays;
-  for (size_t i = 0; i < params; ++i) {
-    const MegatronTensor& p = r.tensors[i];
-    const bool decays =
-        !(p.name.ends_with(".bias") || p.tensor.shape.size() == 1);
-    auto it = std::find(group_decays.begin(), group_decays.end(), decays);
-    if (it == group_decays.end()) {
-      group_decays.push_back(decays);
-      members.emplace_back();
-      it = group_decays.end() - 1;
-    }
-    members[it - group_decays.begin()].push_back(i);
-  }
+  std::vector<std::pair<std::string, size_t>> named;
+  for (size_t i = 0; i < params; ++i)
+    named.emplace_back(r.tensors[i].name, r.tensors[i].tensor.shape.size());
+  const std::vector<std::vector<size_t>> members =
+      MegatronParamGroups(named).members;
+
   if (groups->items.size() != members.size()) {
     return FileError(
         r.label,
@@ -417,6 +434,212 @@ absl::Status StreamMegatronShard(
     RETURN_IF_ERROR(sink(out.data(), out.size()));
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// Gives every storage `root` reads a key that cannot meet the new
+// tensors' ("0", "1", ...), and returns the old key of each new one.
+absl::Status RekeyStorages(PickleValue& v, int depth,
+                           std::map<std::string, std::string>& old_of) {
+  if (depth > 200) {
+    return absl::InvalidArgumentError(
+        "values nested deeper than 200 (a cycle?)");
+  }
+  if (v.kind == Kind::kTensor || v.kind == Kind::kStorage) {
+    std::string& key = v.tensor.storage_key;
+    if (!old_of.contains(key)) {  // a node shared with one renamed already
+      const std::string renamed = "rest_" + key;
+      old_of[renamed] = key;
+      key = renamed;
+    }
+    return absl::OkStatus();
+  }
+  for (const PickleRef& i : v.items)
+    RETURN_IF_ERROR(RekeyStorages(*i, depth + 1, old_of));
+  for (const auto& [k, i] : v.entries) {
+    RETURN_IF_ERROR(RekeyStorages(*k, depth + 1, old_of));
+    RETURN_IF_ERROR(RekeyStorages(*i, depth + 1, old_of));
+  }
+  return absl::OkStatus();
+}
+
+PickleRef TensorValue(const SafetensorsEntry& e, size_t key) {
+  auto t = PickleValue::Make(Kind::kTensor);
+  t->tensor.storage_key = absl::StrCat(key);
+  t->tensor.dtype = e.dtype;
+  t->tensor.shape = e.shape;
+  t->tensor.stride = RowMajorStrides(e.shape);
+  t->tensor.storage_elements = 1;
+  for (int64_t d : e.shape) t->tensor.storage_elements *= d;
+  return t;
+}
+
+PickleRef Dict(bool ordered = false) {
+  auto d = PickleValue::Make(Kind::kDict);
+  d->ordered_dict = ordered;
+  return d;
+}
+
+// A dict's or list's copy one level deep (values shared).
+PickleRef ShallowCopy(const PickleValue& v) {
+  auto c = std::make_shared<PickleValue>(v);
+  return c;
+}
+
+// Puts the optimizer state tensors back: optimizer.optimizer.state by
+// parameter number, param_groups renumbered (hyperparameters kept from the
+// remainder's groups), fp32_from_fp16_params by group.
+absl::Status PutOptimizerState(
+    PickleValue& root, const std::vector<SafetensorsEntry>& tensors,
+    const std::vector<size_t>& params,
+    const std::map<std::string, std::vector<std::pair<std::string, size_t>>>&
+        state_of) {
+  PickleValue* outer = root.Find("optimizer");
+  if (outer == nullptr || outer->kind != Kind::kDict) {
+    root.Set("optimizer", Dict());
+    outer = root.Find("optimizer");
+  }
+  PickleValue* inner = outer->Find("optimizer");
+  if (inner == nullptr || inner->kind != Kind::kDict) {
+    outer->Set("optimizer", Dict());
+    inner = outer->Find("optimizer");
+  }
+  std::vector<std::pair<std::string, size_t>> named;
+  for (size_t i : params)
+    named.emplace_back(tensors[i].name, tensors[i].shape.size());
+  const ParamGroups groups = MegatronParamGroups(named);
+  // The hyperparameters of each new group: the remainder's group at the
+  // same place, else one with the same weight decay, else none.
+  const PickleValue* old_groups = inner->Find("param_groups");
+  auto hyper = [&](size_t g) -> PickleRef {
+    if (old_groups == nullptr || old_groups->kind != Kind::kList) return Dict();
+    if (old_groups->items.size() == groups.members.size())
+      return ShallowCopy(*old_groups->items[g]);
+    for (const PickleRef& old : old_groups->items) {
+      const PickleValue* wd = old->Find("weight_decay");
+      const bool decays =
+          wd != nullptr && ((wd->kind == Kind::kFloat && wd->number != 0) ||
+                            (wd->kind == Kind::kInt && wd->integer != 0));
+      if (decays == groups.decays[g]) return ShallowCopy(*old);
+    }
+    return Dict();
+  };
+  // What every parameter's state holds besides tensors (Adam's step).
+  std::vector<std::pair<PickleRef, PickleRef>> scalars;
+  if (const PickleValue* old_state = inner->Find("state");
+      old_state != nullptr && old_state->kind == Kind::kDict &&
+      !old_state->entries.empty() &&
+      old_state->entries[0].second->kind == Kind::kDict) {
+    scalars = old_state->entries[0].second->entries;
+  }
+  auto state = Dict();
+  auto param_groups = PickleValue::Make(Kind::kList);
+  auto masters = PickleValue::Make(Kind::kList);
+  bool any_master = false;
+  int64_t number = 0;
+  for (size_t g = 0; g < groups.members.size(); ++g) {
+    PickleRef group = hyper(g);
+    if (group->kind != Kind::kDict) group = Dict();
+    auto numbers = PickleValue::Make(Kind::kList);
+    auto group_masters = PickleValue::Make(Kind::kList);
+    for (size_t m : groups.members[g]) {
+      const std::string& name = tensors[params[m]].name;
+      auto per_param = Dict();
+      per_param->entries = scalars;
+      PickleRef master = PickleValue::None();
+      if (auto it = state_of.find(name); it != state_of.end()) {
+        for (const auto& [key, index] : it->second) {
+          if (key == "fp32_param") {
+            master = TensorValue(tensors[index], index);
+            any_master = true;
+          } else {
+            per_param->Set(key, TensorValue(tensors[index], index));
+          }
+        }
+      }
+      state->entries.emplace_back(PickleValue::Int(number), per_param);
+      numbers->items.push_back(PickleValue::Int(number++));
+      group_masters->items.push_back(master);
+    }
+    group->Set("params", numbers);
+    param_groups->items.push_back(group);
+    masters->items.push_back(group_masters);
+  }
+  inner->Set("state", state);
+  inner->Set("param_groups", param_groups);
+  if (any_master) outer->Set("fp32_from_fp16_params", masters);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string MegatronRankPath(int64_t iteration, int tp_rank, int pp_rank,
+                             int pp) {
+  return absl::StrFormat("iter_%07d/%s/%s", iteration,
+                         RankDir(tp_rank, pp_rank, pp), kRankFile);
+}
+
+absl::StatusOr<MegatronRankOutput> BuildMegatronRank(
+    const std::vector<SafetensorsEntry>& tensors,
+    const std::string& remainder_path, const ParallelConfig& config,
+    int64_t step) {
+  MegatronRankOutput out;
+  PickleRef root = Dict();
+  std::unique_ptr<TorchArchive> archive;
+  if (!remainder_path.empty()) {
+    ASSIGN_OR_RETURN(
+        archive, TorchArchive::Open(remainder_path, kMegatronRemainderPath));
+    ASSIGN_OR_RETURN(std::string pickle, archive->ReadRecord("data.pkl"));
+    ASSIGN_OR_RETURN(root, Unpickle(pickle));
+    if (root->kind != Kind::kDict) {
+      return absl::DataLossError(
+          absl::StrCat(kMegatronRemainderPath, " holds no dict"));
+    }
+  }
+  std::map<std::string, std::string> old_of;
+  RETURN_IF_ERROR(RekeyStorages(*root, 0, old_of));
+  for (const auto& [key, old] : old_of) {
+    // A storage's size is in the pickle; the record is read whole.
+    ASSIGN_OR_RETURN(std::string bytes,
+                     archive->ReadRecord("data/" + old, int64_t{1} << 32));
+    out.storages.emplace_back(key, std::move(bytes));
+  }
+
+  PickleValue* args = root->Find("args");
+  if (args == nullptr || args->kind != Kind::kNamespace) {
+    root->Set("args", PickleValue::Make(Kind::kNamespace));
+    args = root->Find("args");
+  }
+  args->Set("tensor_model_parallel_size", PickleValue::Int(config.tp()));
+  args->Set("pipeline_model_parallel_size", PickleValue::Int(config.pp()));
+  if (root->Find("checkpoint_version") == nullptr)
+    root->Set("checkpoint_version", PickleValue::Float(3.0));
+  root->Set("iteration", PickleValue::Int(step));
+
+  // The model: the shard's parameters in order; the optimizer state of
+  // each goes back into the optimizer's structure.
+  auto model = Dict(/*ordered=*/true);
+  std::vector<size_t> params;
+  std::map<std::string, std::vector<std::pair<std::string, size_t>>> state_of;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string param = ParamOfOptimizerState(tensors[i].name);
+    if (param.empty()) {
+      params.push_back(i);
+      model->Set(tensors[i].name, TensorValue(tensors[i], i));
+      continue;
+    }
+    // optimizer.KEY.PARAM
+    const std::string key = tensors[i].name.substr(
+        10, tensors[i].name.size() - 10 - param.size() - 1);
+    state_of[param].emplace_back(key, i);
+  }
+  root->Set("model", model);
+  if (!state_of.empty()) {
+    RETURN_IF_ERROR(PutOptimizerState(*root, tensors, params, state_of));
+  }
+  ASSIGN_OR_RETURN(out.pickle, Pickle(*root));
+  return out;
 }
 
 }  // namespace scalai

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -71,6 +72,30 @@ absl::StatusOr<MegatronCheckpoint> ReadMegatronCheckpoint(
 absl::Status StreamMegatronShard(
     const MegatronRankFile& rank,
     const std::function<absl::Status(const char*, int64_t)>& sink);
+
+// What the export writes for one rank of another config: the pickle of
+// its model_optim_rng.pt, whose tensor i (of `tensors`, a shard's tensors
+// in order) is storage "i", and the records of the storages the pickle
+// takes from the remainder (RNG state and the like), under new keys.
+struct MegatronRankOutput {
+  std::string pickle;
+  std::vector<std::pair<std::string, std::string>> storages;
+};
+
+// Builds a rank's file for `config` at iteration `step`: the remainder at
+// `remainder_path` (empty: none, a minimal one is made) with args'
+// tensor_model_parallel_size and pipeline_model_parallel_size set to the
+// config's, its model the shard's parameters, and its optimizer state
+// (`optimizer.KEY.PARAM` tensors) put back where Megatron keeps it, in its
+// param groups.
+absl::StatusOr<MegatronRankOutput> BuildMegatronRank(
+    const std::vector<SafetensorsEntry>& tensors,
+    const std::string& remainder_path, const ParallelConfig& config,
+    int64_t step);
+
+// "iter_0000100/mp_rank_01_002/model_optim_rng.pt".
+std::string MegatronRankPath(int64_t iteration, int tp_rank, int pp_rank,
+                             int pp);
 
 }  // namespace scalai
 

@@ -7,7 +7,10 @@ Megatron's param groups, RNG state) for tp/pp of 1, 2 and 4 import into a
 store, and so does one saved without optimizer state. Through the mount, under the saved config and under others, every
 rank's tensors, its optimizer state included, equal the numpy reference's
 direct cut; the rest of each file is an extra file that torch.load reads
-back equal to the original. Bad input is refused with one line naming it
+back equal to the original. `export --format megatron` under another tp and
+pp writes files torch.load reads, in Megatron's nesting, with the direct
+cut's tensors, the Adam state in Megatron's param groups and the original's
+non-tensor state; imported again, they give the same bytes. Bad input is refused with one line naming it
 and leaves the store without a step: a pickle that calls os.system or an
 unlisted global (and nothing ran), a truncated zip, a storage shorter than
 its tensor, a missing rank file, ranks that disagree on a shape, args that
@@ -185,6 +188,71 @@ def check_remainder(mnt, saved, tp, pp):
             assert all(m is None for g in opt["fp32_from_fp16_params"] for m in g)
 
 
+def round_trip(tmp, store, everything, saved, tp, pp):
+    """`export --format megatron` under tp, pp: files torch.load reads, in
+    Megatron's nesting, with the direct cut's tensors, each parameter's Adam
+    state in its param group, the original's non-tensor state (args but for
+    the new sizes); imported again, the same bytes."""
+    out = f"{store}-export-{tp}-{pp}"
+    config = f"tp={tp},pp={pp},dp=1"
+    run("export", store, out, "--config", config, "--format", "megatron")
+    assert open(f"{out}/latest_checkpointed_iteration.txt").read() == f"{ITERATION}\n"
+    want = rank_shards(everything, config, True, DIVISOR, LAYERS)
+    original = next(iter(saved.values()))
+    for p in range(pp):
+        for t in range(tp):
+            got = torch.load(f"{out}/iter_{ITERATION:07d}/{rank_dir(t, p, pp)}/model_optim_rng.pt")
+            where = f"{config} rank {rank_dir(t, p, pp)}"
+            assert list(got) == list(original), (where, list(got))
+            args = dict(vars(original["args"]), tensor_model_parallel_size=tp,
+                        pipeline_model_parallel_size=pp)
+            same(argparse.Namespace(**args), got["args"], f"{where} args")
+            assert got["iteration"] == ITERATION and got["checkpoint_version"] == 3.0
+            assert any(_equal(got["rng_state"], s["rng_state"]) for s in saved.values()), where
+            shard = want[p * tp + t]
+            model = got["model"]
+            assert isinstance(model, collections.OrderedDict)
+            assert sorted(model) == sorted(k for k in shard if not k.startswith("optimizer.")), where
+            for name, x in model.items():
+                assert np.array_equal(x.numpy(), shard[name]), (where, name)
+            opt = got["optimizer"]
+            groups = megatron_groups(model)
+            assert len(opt["optimizer"]["param_groups"]) == len(groups), where
+            for g, names in enumerate(groups):
+                group = opt["optimizer"]["param_groups"][g]
+                old = original["optimizer"]["optimizer"]["param_groups"][g]
+                assert {k: v for k, v in group.items() if k != "params"} == \
+                    {k: v for k, v in old.items() if k != "params"}, (where, group)
+                for j, (name, number) in enumerate(zip(names, group["params"])):
+                    state = opt["optimizer"]["state"][number]
+                    assert list(state) == ["step", "exp_avg", "exp_avg_sq"], list(state)
+                    assert torch.equal(state["step"], torch.tensor(float(ITERATION)))
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        assert np.array_equal(state[key].numpy(),
+                                              shard[f"optimizer.{key}.{name}"]), (where, name)
+                    assert np.array_equal(opt["fp32_from_fp16_params"][g][j].numpy(),
+                                          shard[f"optimizer.fp32_param.{name}"]), (where, name)
+            same(original["optimizer"]["grad_scaler"], opt["grad_scaler"], where)
+    again = f"{out}-store"
+    run("init", again, *LAYOUT)
+    run("import", again, out, "--config", config)
+    mnt = f"{out}-mnt"
+    os.makedirs(mnt)
+    run("mount", again, mnt)
+    try:
+        check_bytes(mnt, everything, config, LAYERS, DIVISOR)
+    finally:
+        run("umount", mnt)
+
+
+def _equal(a, b):
+    try:
+        same(a, b, "")
+        return True
+    except AssertionError:
+        return False
+
+
 def import_fails(store, src, config, why):
     p = run("import", store, src, "--config", config, expect=1)
     line = p.stderr.strip()
@@ -293,8 +361,12 @@ def main():
             check_bytes(mnt, everything, other, LAYERS, DIVISOR)
             run("umount", mnt)
             mounts.discard(mnt)
+            to_tp, to_pp = (int(other.split(",")[i].split("=")[1]) for i in (0, 1))
+            round_trip(tmp, store, everything, saved, to_tp, to_pp)
             print(f"{config}: imported as step {ITERATION}, every tensor and its Adam state "
-                  f"equal the direct cut, under {other} too; the rest loads back equal")
+                  f"equal the direct cut, under {other} too; the rest loads back equal; "
+                  f"exported as Megatron's tp={to_tp},pp={to_pp}, torch.load reads it, "
+                  "imported again, equal")
         # Saved without optimizer state (--no-save-optim): the model alone.
         src, store = f"{tmp}/ckpt-plain", f"{tmp}/store-plain"
         write_checkpoint(src, full, 2, 2, seed)
