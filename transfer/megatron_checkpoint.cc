@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -138,6 +139,67 @@ ParamGroups MegatronParamGroups(
   return g;
 }
 
+// Whether a saved param group decays its weights, when it says: Megatron's
+// wd_mult, else torch's weight_decay.
+std::optional<bool> GroupDecays(const PickleValue& group) {
+  for (const char* key : {"wd_mult", "weight_decay"}) {
+    const PickleValue* v = group.Find(key);
+    if (v == nullptr) continue;
+    if (v->kind == Kind::kFloat) return v->number != 0;
+    if (v->kind == Kind::kInt) return v->integer != 0;
+  }
+  return std::nullopt;
+}
+
+// The members of each saved param group. Megatron-Core orders its groups
+// as their first parameter appears; older Megatron puts the weight-decayed
+// group first. The order that fits the saved groups' sizes and weight
+// decays is the one used.
+absl::StatusOr<std::vector<std::vector<size_t>>> MatchParamGroups(
+    const ParamGroups& groups, const PickleValue& saved,
+    const std::string& label) {
+  std::vector<size_t> appearance(groups.members.size()), decayed_first;
+  for (size_t g = 0; g < appearance.size(); ++g) appearance[g] = g;
+  for (bool decays : {true, false}) {
+    for (size_t g = 0; g < groups.decays.size(); ++g)
+      if (groups.decays[g] == decays) decayed_first.push_back(g);
+  }
+  std::vector<size_t> sizes;
+  for (const PickleRef& group : saved.items) {
+    const PickleValue* numbers =
+        group->kind == Kind::kDict ? group->Find("params") : nullptr;
+    if (numbers == nullptr || numbers->kind != Kind::kList) {
+      return FileError(label, "a param group without its list of params");
+    }
+    for (const PickleRef& n : numbers->items) {
+      if (n->kind != Kind::kInt)
+        return FileError(label, "a param group's params are not numbers");
+    }
+    sizes.push_back(numbers->items.size());
+  }
+  for (const std::vector<size_t>& order : {appearance, decayed_first}) {
+    bool fits = order.size() == sizes.size();
+    for (size_t g = 0; fits && g < order.size(); ++g) {
+      const std::optional<bool> decays = GroupDecays(*saved.items[g]);
+      fits = sizes[g] == groups.members[order[g]].size() &&
+             (!decays || *decays == groups.decays[order[g]]);
+    }
+    if (!fits) continue;
+    std::vector<std::vector<size_t>> members;
+    for (size_t g : order) members.push_back(groups.members[g]);
+    return members;
+  }
+  std::vector<size_t> want;
+  for (const auto& m : groups.members) want.push_back(m.size());
+  return FileError(
+      label,
+      absl::StrCat("the optimizer's param groups hold [",
+                   absl::StrJoin(sizes, ", "),
+                   "] parameters; Megatron's grouping of the model (weight "
+                   "decay, and biases and 1-D tensors without) gives [",
+                   absl::StrJoin(want, ", "), "] in some order"));
+}
+
 // Moves each parameter's optimizer state out of the optimizer's state dict
 // into `r.tensors`. Megatron numbers a rank's parameters by its param
 // groups: weight-decayed parameters (neither a bias nor 1-D) and the rest,
@@ -159,32 +221,12 @@ absl::Status MoveOptimizerState(PickleValue& root, MegatronRankFile& r,
   std::vector<std::pair<std::string, size_t>> named;
   for (size_t i = 0; i < params; ++i)
     named.emplace_back(r.tensors[i].name, r.tensors[i].tensor.shape.size());
-  const std::vector<std::vector<size_t>> members =
-      MegatronParamGroups(named).members;
-
-  if (groups->items.size() != members.size()) {
-    return FileError(
-        r.label,
-        absl::StrCat("the optimizer has ", groups->items.size(),
-                     " param groups; Megatron's grouping of the model's ",
-                     params,
-                     " parameters (weight decay, and biases and 1-D "
-                     "tensors without) gives ",
-                     members.size()));
-  }
+  ASSIGN_OR_RETURN(
+      const std::vector<std::vector<size_t>> members,
+      MatchParamGroups(MegatronParamGroups(named), *groups, r.label));
   std::map<int64_t, size_t> param_of;  // optimizer number -> parameter
   for (size_t g = 0; g < members.size(); ++g) {
-    const PickleValue& group = *groups->items[g];
-    const PickleValue* numbers =
-        group.kind == Kind::kDict ? group.Find("params") : nullptr;
-    if (numbers == nullptr || numbers->kind != Kind::kList ||
-        numbers->items.size() != members[g].size()) {
-      return FileError(
-          r.label, absl::StrCat("param group ", g, " lists ",
-                                numbers == nullptr ? 0 : numbers->items.size(),
-                                " parameters; Megatron's grouping gives it ",
-                                members[g].size()));
-    }
+    const PickleValue* numbers = groups->items[g]->Find("params");
     for (size_t j = 0; j < members[g].size(); ++j) {
       if (numbers->items[j]->kind != Kind::kInt)
         return FileError(r.label, "a param group's params are not numbers");
@@ -508,20 +550,27 @@ absl::Status PutOptimizerState(
   std::vector<std::pair<std::string, size_t>> named;
   for (size_t i : params)
     named.emplace_back(tensors[i].name, tensors[i].shape.size());
-  const ParamGroups groups = MegatronParamGroups(named);
+  ParamGroups groups = MegatronParamGroups(named);
+  // The groups in the order the remainder's say (older Megatron puts the
+  // weight-decayed one first), else as their first parameter appears.
+  const PickleValue* old_groups = inner->Find("param_groups");
+  if (old_groups != nullptr && old_groups->kind == Kind::kList &&
+      old_groups->items.size() == groups.members.size() &&
+      !old_groups->items.empty()) {
+    const std::optional<bool> first = GroupDecays(*old_groups->items[0]);
+    if (first && groups.decays[0] != *first) {
+      std::reverse(groups.members.begin(), groups.members.end());
+      std::reverse(groups.decays.begin(), groups.decays.end());
+    }
+  }
   // The hyperparameters of each new group: the remainder's group at the
   // same place, else one with the same weight decay, else none.
-  const PickleValue* old_groups = inner->Find("param_groups");
   auto hyper = [&](size_t g) -> PickleRef {
     if (old_groups == nullptr || old_groups->kind != Kind::kList) return Dict();
     if (old_groups->items.size() == groups.members.size())
       return ShallowCopy(*old_groups->items[g]);
     for (const PickleRef& old : old_groups->items) {
-      const PickleValue* wd = old->Find("weight_decay");
-      const bool decays =
-          wd != nullptr && ((wd->kind == Kind::kFloat && wd->number != 0) ||
-                            (wd->kind == Kind::kInt && wd->integer != 0));
-      if (decays == groups.decays[g]) return ShallowCopy(*old);
+      if (GroupDecays(*old) == groups.decays[g]) return ShallowCopy(*old);
     }
     return Dict();
   };

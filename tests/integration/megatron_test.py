@@ -3,7 +3,7 @@
 real torch.save in Megatron's structure (iter_NNNNNNN/mp_rank_TT[_PPP]/
 model_optim_rng.pt, latest_checkpointed_iteration.txt; a SwiGLU, GQA model;
 args, iteration, checkpoint_version, Adam state with fp32 master copies in
-Megatron's param groups, RNG state) for tp/pp of 1, 2 and 4 import into a
+Megatron's param groups in either order Megatron has used, RNG state) for tp/pp of 1, 2 and 4 import into a
 store, and so does one saved without optimizer state. Through the mount, under the saved config and under others, every
 rank's tensors, its optimizer state included, equal the numpy reference's
 direct cut; the rest of each file is an extra file that torch.load reads
@@ -58,9 +58,10 @@ def with_optimizer_state(full):
     return out
 
 
-def megatron_groups(model):
-    """Megatron's param groups: weight-decayed (neither bias nor 1-D) and the
-    rest, in the order their first parameter appears."""
+def megatron_groups(model, decayed_first=False):
+    """Megatron's param groups as [(decays, names)]: weight-decayed (neither
+    bias nor 1-D) and the rest, in the order their first parameter appears
+    (Megatron-Core), or the decayed group first (older Megatron)."""
     keys, groups = [], {}
     for name, x in model.items():
         decays = not (name.endswith(".bias") or x.ndim == 1)
@@ -68,18 +69,20 @@ def megatron_groups(model):
             keys.append(decays)
             groups[decays] = []
         groups[decays].append(name)
-    return [groups[k] for k in keys]
+    if decayed_first:
+        keys.sort(reverse=True)
+    return [(k, groups[k]) for k in keys]
 
 
-def rank_file(shard, tp, pp, seed):
+def rank_file(shard, tp, pp, seed, decayed_first):
     """One rank's model_optim_rng.pt contents, as Megatron saves them."""
     model = collections.OrderedDict(
         (k, torch.from_numpy(np.array(v))) for k, v in shard.items()
         if not k.startswith("optimizer."))
-    groups = megatron_groups(model)
+    groups = megatron_groups(model, decayed_first)
     with_optimizer = any(k.startswith("optimizer.") for k in shard)
     state, param_groups, masters, number = {}, [], [], 0
-    for g, names in enumerate(groups if with_optimizer else []):
+    for decays, names in (groups if with_optimizer else []):
         params = []
         for name in names:
             state[number] = {
@@ -89,7 +92,7 @@ def rank_file(shard, tp, pp, seed):
             }
             params.append(number)
             number += 1
-        param_groups.append({"lr": 3e-4, "weight_decay": 0.1 if g == 0 else 0.0,
+        param_groups.append({"lr": 3e-4, "weight_decay": 0.1 if decays else 0.0,
                              "betas": (0.9, 0.95), "eps": 1e-8, "params": params})
         masters.append([torch.from_numpy(np.array(shard[f"optimizer.fp32_param.{n}"]))
                         for n in names])
@@ -130,7 +133,7 @@ def rank_dir(t, p, pp):
     return f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
 
 
-def write_checkpoint(root, full, tp, pp, seed):
+def write_checkpoint(root, full, tp, pp, seed, decayed_first=False):
     """Megatron's directory for tp, pp; returns {rank dir: saved dict}."""
     shards = rank_shards(full, f"tp={tp},pp={pp},dp=1", True, DIVISOR, LAYERS)
     saved = {}
@@ -138,7 +141,8 @@ def write_checkpoint(root, full, tp, pp, seed):
         for t in range(tp):
             d = f"{root}/iter_{ITERATION:07d}/{rank_dir(t, p, pp)}"
             os.makedirs(d)
-            saved[rank_dir(t, p, pp)] = rank_file(shards[p * tp + t], tp, pp, seed + p * tp + t)
+            saved[rank_dir(t, p, pp)] = rank_file(shards[p * tp + t], tp, pp, seed + p * tp + t,
+                                              decayed_first)
             torch.save(saved[rank_dir(t, p, pp)], f"{d}/model_optim_rng.pt")
     with open(f"{root}/latest_checkpointed_iteration.txt", "w") as f:
         f.write(f"{ITERATION}\n")
@@ -216,11 +220,14 @@ def round_trip(tmp, store, everything, saved, tp, pp):
             for name, x in model.items():
                 assert np.array_equal(x.numpy(), shard[name]), (where, name)
             opt = got["optimizer"]
-            groups = megatron_groups(model)
+            decayed_first = original["optimizer"]["optimizer"]["param_groups"][0][
+                "weight_decay"] != 0
+            groups = megatron_groups(model, decayed_first)
             assert len(opt["optimizer"]["param_groups"]) == len(groups), where
-            for g, names in enumerate(groups):
+            for g, (decays, names) in enumerate(groups):
                 group = opt["optimizer"]["param_groups"][g]
-                old = original["optimizer"]["optimizer"]["param_groups"][g]
+                old = next(o for o in original["optimizer"]["optimizer"]["param_groups"]
+                           if (o["weight_decay"] != 0) == decays)
                 assert {k: v for k, v in group.items() if k != "params"} == \
                     {k: v for k, v in old.items() if k != "params"}, (where, group)
                 for j, (name, number) in enumerate(zip(names, group["params"])):
@@ -347,7 +354,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp, Mounts() as mounts:
         for (tp, pp), other in others.items():
             src, store, mnt = f"{tmp}/ckpt-{tp}-{pp}", f"{tmp}/store-{tp}-{pp}", f"{tmp}/mnt-{tp}-{pp}"
-            saved = write_checkpoint(src, everything, tp, pp, seed)
+            # pp=4's later stages start with a 1-D parameter: there the two
+            # orders of param groups differ; it saves them as older Megatron.
+            saved = write_checkpoint(src, everything, tp, pp, seed, decayed_first=pp == 4)
             config = f"tp={tp},pp={pp},dp=1"
             run("init", store, *LAYOUT)
             out = run("import", store, src, "--config", config).stdout
