@@ -372,18 +372,15 @@ absl::Status ReadRank(const ParallelConfig& config, MegatronRankFile& r,
 }
 
 // Copies the elements of view `t` of `storage` to `out`, in C order.
-void Gather(const PickleTensor& t, const std::string& storage, char* out) {
+// (A non-contiguous view: contiguous ones are written from the storage.)
+void Gather(const PickleTensor& t, const char* storage, char* out) {
   const int64_t elem = DTypeSize(t.dtype);
-  if (t.contiguous()) {
-    std::memcpy(out, storage.data() + t.offset * elem, t.elements() * elem);
-    return;
-  }
   const int rank = static_cast<int>(t.shape.size());
   std::vector<int64_t> idx(rank, 0);
   for (int64_t n = t.elements(); n > 0; --n) {
     int64_t at = t.offset;
     for (int d = 0; d < rank; ++d) at += idx[d] * t.stride[d];
-    std::memcpy(out, storage.data() + at * elem, elem);
+    std::memcpy(out, storage + at * elem, elem);
     out += elem;
     for (int d = rank - 1; d >= 0 && ++idx[d] == t.shape[d]; --d) idx[d] = 0;
   }
@@ -463,16 +460,29 @@ absl::Status StreamMegatronShard(
   const std::string head = rank.header.Serialize();
   RETURN_IF_ERROR(sink(head.data(), head.size()));
   ASSIGN_OR_RETURN(auto archive, TorchArchive::Open(rank.path, rank.label));
-  std::string key, storage, out;
+  // One buffer for every storage, grown as needed and never filled.
+  std::unique_ptr<char[]> storage;
+  int64_t capacity = 0;
+  std::string key, out;
   for (const MegatronTensor& t : rank.tensors) {
     const int64_t elem = DTypeSize(t.tensor.dtype);
+    const int64_t storage_bytes = t.tensor.storage_elements * elem;
     if (t.tensor.storage_key != key || key.empty()) {
       key = t.tensor.storage_key;
-      ASSIGN_OR_RETURN(
-          storage, archive->ReadStorage(key, t.tensor.storage_elements * elem));
+      if (storage_bytes > capacity) {
+        capacity = std::max(storage_bytes, capacity * 2);
+        storage.reset(new char[capacity]);
+      }
+      RETURN_IF_ERROR(
+          archive->ReadStorageInto(key, storage_bytes, storage.get()));
     }
-    out.resize(t.tensor.elements() * elem);
-    Gather(t.tensor, storage, out.data());
+    const int64_t bytes = t.tensor.elements() * elem;
+    if (t.tensor.contiguous()) {  // the common case: no copy
+      RETURN_IF_ERROR(sink(storage.get() + t.tensor.offset * elem, bytes));
+      continue;
+    }
+    out.resize(bytes);
+    Gather(t.tensor, storage.get(), out.data());
     RETURN_IF_ERROR(sink(out.data(), out.size()));
   }
   return absl::OkStatus();

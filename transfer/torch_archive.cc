@@ -72,15 +72,21 @@ absl::StatusOr<std::string> TorchArchive::ReadRecord(const std::string& name,
     return Error(absl::StrCat("record ", full, " holds ", st.size,
                               " bytes, more than ", limit));
   }
+  std::string out(st.size, '\0');
+  RETURN_IF_ERROR(ReadInto(full, index, st.size, out.data()));
+  return out;
+}
+
+absl::Status TorchArchive::ReadInto(const std::string& full, int64_t index,
+                                    uint64_t size, char* out) {
   zip_file_t* f = zip_fopen_index(zip_, index, 0);
   if (f == nullptr) {
     return Error(absl::StrCat("record ", full, ": ",
                               zip_error_strerror(zip_get_error(zip_))));
   }
-  std::string out(st.size, '\0');
   zip_int64_t done = 0;
-  while (done < static_cast<zip_int64_t>(st.size)) {
-    const zip_int64_t n = zip_fread(f, out.data() + done, st.size - done);
+  while (done < static_cast<zip_int64_t>(size)) {
+    const zip_int64_t n = zip_fread(f, out + done, size - done);
     if (n <= 0) break;
     done += n;
   }
@@ -89,7 +95,7 @@ absl::StatusOr<std::string> TorchArchive::ReadRecord(const std::string& name,
   char probe;
   const zip_int64_t extra = zip_fread(f, &probe, 1);
   std::string why;
-  if (done != static_cast<zip_int64_t>(st.size) || extra != 0) {
+  if (done != static_cast<zip_int64_t>(size) || extra != 0) {
     why = zip_error_strerror(zip_file_get_error(f));
   }
   zip_fclose(f);
@@ -97,13 +103,19 @@ absl::StatusOr<std::string> TorchArchive::ReadRecord(const std::string& name,
     return absl::DataLossError(absl::StrCat(
         label_, ": record ", full, " cannot be read whole (", why, ")"));
   }
-  return out;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> TorchArchive::ReadStorage(const std::string& key,
                                                       int64_t bytes) {
-  const std::string name = "data/" + key;
-  const std::string full = prefix_ + "/" + name;
+  std::string out(bytes, '\0');
+  RETURN_IF_ERROR(ReadStorageInto(key, bytes, out.data()));
+  return out;
+}
+
+absl::Status TorchArchive::ReadStorageInto(const std::string& key,
+                                           int64_t bytes, char* out) {
+  const std::string full = prefix_ + "/data/" + key;
   const zip_int64_t index = zip_name_locate(zip_, full.c_str(), 0);
   if (index < 0) return Error(absl::StrCat("has no record ", full));
   zip_stat_t st;
@@ -114,7 +126,7 @@ absl::StatusOr<std::string> TorchArchive::ReadStorage(const std::string& key,
         absl::StrCat(label_, ": storage ", key, " holds ", st.size,
                      " bytes; its tensors' header says ", bytes));
   }
-  return ReadRecord(name, bytes);
+  return ReadInto(full, index, st.size, out);
 }
 
 uint32_t Crc32(uint32_t crc, const void* data, int64_t bytes) {

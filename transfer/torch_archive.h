@@ -47,11 +47,19 @@ class TorchArchive {
   // The record of storage `key`, which must hold exactly `bytes` bytes.
   absl::StatusOr<std::string> ReadStorage(const std::string& key,
                                           int64_t bytes);
+  // The same into `out`, which must have room for `bytes`: a caller
+  // streaming many storages reuses one buffer (fresh pages cost as much
+  // as the read).
+  absl::Status ReadStorageInto(const std::string& key, int64_t bytes,
+                               char* out);
 
  private:
   TorchArchive(zip* archive, std::string label)
       : zip_(archive), label_(std::move(label)) {}
   absl::Status Error(const std::string& what) const;
+  // Record `full` of `size` bytes into `out`, whole and CRC-checked.
+  absl::Status ReadInto(const std::string& full, int64_t index, uint64_t size,
+                        char* out);
 
   zip* zip_;
   std::string label_;
