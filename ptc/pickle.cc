@@ -50,6 +50,8 @@ constexpr const char* kCallables[] = {
     "numpy._core.multiarray._reconstruct",
     "numpy.core.multiarray.scalar",
     "numpy._core.multiarray.scalar",
+    "numpy.core.numeric._frombuffer",
+    "numpy._core.numeric._frombuffer",
     "numpy.ndarray",
     "numpy.dtype",
     "_codecs.encode",
@@ -309,6 +311,19 @@ class Reader {
           a[0]->text != "numpy.ndarray")
         return Error("numpy _reconstruct of something other than ndarray");
       return PickleValue::Make(Kind::kArray);
+    }
+    if (name.ends_with("numeric._frombuffer")) {
+      // Protocol 5's form of an array: (bytes, dtype, shape, order).
+      if (a.size() != 4 || a[0]->kind != Kind::kBytes ||
+          a[1]->kind != Kind::kNumpyDType || a[3]->kind != Kind::kString)
+        return Error("numpy _frombuffer of other arguments than numpy's");
+      auto array = PickleValue::Make(Kind::kArray);
+      ASSIGN_OR_RETURN(array->array.shape, Ints(*a[2], "an array's shape"));
+      if (a[3]->text != "C" && array->array.shape.size() > 1)
+        return Error("a Fortran-ordered numpy array");
+      array->array.descr = a[1]->text;
+      array->array.data = a[0]->text;
+      return array;
     }
     if (name == "numpy.dtype") {
       if (a.empty() || a[0]->kind != Kind::kString)

@@ -133,8 +133,9 @@ def rank_dir(t, p, pp):
     return f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
 
 
-def write_checkpoint(root, full, tp, pp, seed, decayed_first=False):
-    """Megatron's directory for tp, pp; returns {rank dir: saved dict}."""
+def write_checkpoint(root, full, tp, pp, seed, decayed_first=False, protocol=2):
+    """Megatron's directory for tp, pp, pickled with `protocol` (torch.save's
+    default is 2); returns {rank dir: saved dict}."""
     shards = rank_shards(full, f"tp={tp},pp={pp},dp=1", True, DIVISOR, LAYERS)
     saved = {}
     for p in range(pp):
@@ -143,7 +144,8 @@ def write_checkpoint(root, full, tp, pp, seed, decayed_first=False):
             os.makedirs(d)
             saved[rank_dir(t, p, pp)] = rank_file(shards[p * tp + t], tp, pp, seed + p * tp + t,
                                               decayed_first)
-            torch.save(saved[rank_dir(t, p, pp)], f"{d}/model_optim_rng.pt")
+            torch.save(saved[rank_dir(t, p, pp)], f"{d}/model_optim_rng.pt",
+                       pickle_protocol=protocol)
     with open(f"{root}/latest_checkpointed_iteration.txt", "w") as f:
         f.write(f"{ITERATION}\n")
     return saved
@@ -356,7 +358,10 @@ def main():
             src, store, mnt = f"{tmp}/ckpt-{tp}-{pp}", f"{tmp}/store-{tp}-{pp}", f"{tmp}/mnt-{tp}-{pp}"
             # pp=4's later stages start with a 1-D parameter: there the two
             # orders of param groups differ; it saves them as older Megatron.
-            saved = write_checkpoint(src, everything, tp, pp, seed, decayed_first=pp == 4)
+            # Pickle protocols 2 to 5, one case each.
+            protocol = {(2, 1): 3, (4, 1): 4, (1, 2): 5}.get((tp, pp), 2)
+            saved = write_checkpoint(src, everything, tp, pp, seed, decayed_first=pp == 4,
+                                     protocol=protocol)
             config = f"tp={tp},pp={pp},dp=1"
             run("init", store, *LAYOUT)
             out = run("import", store, src, "--config", config).stdout
@@ -372,7 +377,7 @@ def main():
             mounts.discard(mnt)
             to_tp, to_pp = (int(other.split(",")[i].split("=")[1]) for i in (0, 1))
             round_trip(tmp, store, everything, saved, to_tp, to_pp)
-            print(f"{config}: imported as step {ITERATION}, every tensor and its Adam state "
+            print(f"{config} (pickle protocol {protocol}): imported as step {ITERATION}, every tensor and its Adam state "
                   f"equal the direct cut, under {other} too; the rest loads back equal; "
                   f"exported as Megatron's tp={to_tp},pp={to_pp}, torch.load reads it, "
                   "imported again, equal")
