@@ -9,7 +9,7 @@ packages=(
   nlohmann-json3-dev libcli11-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  etcd-server openssl iperf3
+  etcd-server etcd-client openssl iperf3
   libzip-dev
   python3-numpy python3-torch python3-matplotlib clang-format git tar
 )
