@@ -989,6 +989,34 @@ absl::string_view PickleValue::KindName(Kind kind) {
   return "value";
 }
 
+namespace {
+
+absl::Status VisitTensors(PickleValue& v, int depth,
+                          const std::function<void(PickleValue&)>& fn) {
+  if (depth > 200) {
+    return absl::InvalidArgumentError(
+        "values nested deeper than 200 (a cycle?)");
+  }
+  if (v.kind == Kind::kTensor || v.kind == Kind::kStorage) {
+    fn(v);
+    return absl::OkStatus();
+  }
+  for (const PickleRef& i : v.items)
+    RETURN_IF_ERROR(VisitTensors(*i, depth + 1, fn));
+  for (const auto& [k, i] : v.entries) {
+    RETURN_IF_ERROR(VisitTensors(*k, depth + 1, fn));
+    RETURN_IF_ERROR(VisitTensors(*i, depth + 1, fn));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ForEachTensor(PickleValue& value,
+                           const std::function<void(PickleValue&)>& fn) {
+  return VisitTensors(value, 0, fn);
+}
+
 absl::StatusOr<PickleRef> Unpickle(absl::string_view bytes) {
   return Reader(bytes).Run();
 }

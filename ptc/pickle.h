@@ -15,6 +15,7 @@
 #define SCALAI_PTC_PICKLE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -101,6 +102,12 @@ struct PickleValue {
   // Python's spelling of the kind, for errors: "dict", "tensor", ...
   static absl::string_view KindName(Kind kind);
 };
+
+// Calls `fn` on every tensor and storage below `value`, depth first; values
+// nested deeper than 200 are an error (a cycle, which memo references can
+// make).
+absl::Status ForEachTensor(PickleValue& value,
+                           const std::function<void(PickleValue&)>& fn);
 
 // Parses a pickle; errors name the byte offset and what was wrong there,
 // and a global not on the list by its module and name.

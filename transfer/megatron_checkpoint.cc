@@ -94,26 +94,6 @@ std::optional<int64_t> ArgInt(const PickleValue* args, absl::string_view key) {
   return v->integer;
 }
 
-// The storage keys every tensor below `v` reads.
-absl::Status CollectStorages(const PickleValue& v, int depth,
-                             std::map<std::string, PickleTensor>& out) {
-  if (depth > 200) {
-    return absl::InvalidArgumentError(
-        "values nested deeper than 200 (a cycle?)");
-  }
-  if (v.kind == Kind::kTensor || v.kind == Kind::kStorage) {
-    out.emplace(v.tensor.storage_key, v.tensor);
-    return absl::OkStatus();
-  }
-  for (const PickleRef& i : v.items)
-    RETURN_IF_ERROR(CollectStorages(*i, depth + 1, out));
-  for (const auto& [k, i] : v.entries) {
-    RETURN_IF_ERROR(CollectStorages(*k, depth + 1, out));
-    RETURN_IF_ERROR(CollectStorages(*i, depth + 1, out));
-  }
-  return absl::OkStatus();
-}
-
 // Megatron's param groups of a rank's parameters (name, number of dims):
 // weight-decayed ones (neither a bias nor 1-D) and the rest, each group in
 // model order, the groups in the order their first parameter appears.
@@ -357,7 +337,9 @@ absl::Status ReadRank(const ParallelConfig& config, MegatronRankFile& r,
 
   // The remainder, with the storages its tensors still read.
   std::map<std::string, PickleTensor> storages;
-  RETURN_IF_ERROR(CollectStorages(root, 0, storages));
+  RETURN_IF_ERROR(ForEachTensor(root, [&](PickleValue& t) {
+    storages.emplace(t.tensor.storage_key, t.tensor);
+  }));
   std::vector<std::pair<std::string, std::string>> records;
   ASSIGN_OR_RETURN(std::string rest, Pickle(root));
   records.emplace_back("data.pkl", std::move(rest));
@@ -489,32 +471,6 @@ absl::Status StreamMegatronShard(
 }
 
 namespace {
-
-// Gives every storage `root` reads a key that cannot meet the new
-// tensors' ("0", "1", ...), and returns the old key of each new one.
-absl::Status RekeyStorages(PickleValue& v, int depth,
-                           std::map<std::string, std::string>& old_of) {
-  if (depth > 200) {
-    return absl::InvalidArgumentError(
-        "values nested deeper than 200 (a cycle?)");
-  }
-  if (v.kind == Kind::kTensor || v.kind == Kind::kStorage) {
-    std::string& key = v.tensor.storage_key;
-    if (!old_of.contains(key)) {  // a node shared with one renamed already
-      const std::string renamed = "rest_" + key;
-      old_of[renamed] = key;
-      key = renamed;
-    }
-    return absl::OkStatus();
-  }
-  for (const PickleRef& i : v.items)
-    RETURN_IF_ERROR(RekeyStorages(*i, depth + 1, old_of));
-  for (const auto& [k, i] : v.entries) {
-    RETURN_IF_ERROR(RekeyStorages(*k, depth + 1, old_of));
-    RETURN_IF_ERROR(RekeyStorages(*i, depth + 1, old_of));
-  }
-  return absl::OkStatus();
-}
 
 PickleRef TensorValue(const SafetensorsEntry& e, size_t key) {
   auto t = PickleValue::Make(Kind::kTensor);
@@ -657,7 +613,16 @@ absl::StatusOr<MegatronRankOutput> BuildMegatronRank(
     }
   }
   std::map<std::string, std::string> old_of;
-  RETURN_IF_ERROR(RekeyStorages(*root, 0, old_of));
+  // Every storage the remainder reads gets a key that cannot meet the new
+  // tensors' ("0", "1", ...); a node shared with one renamed already is
+  // left as it is.
+  RETURN_IF_ERROR(ForEachTensor(*root, [&](PickleValue& t) {
+    std::string& key = t.tensor.storage_key;
+    if (old_of.contains(key)) return;
+    const std::string renamed = "rest_" + key;
+    old_of[renamed] = key;
+    key = renamed;
+  }));
   for (const auto& [key, old] : old_of) {
     // A storage's size is in the pickle; the record is read whole.
     ASSIGN_OR_RETURN(std::string bytes,
