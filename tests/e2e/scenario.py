@@ -29,9 +29,11 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+import scalai as client  # noqa: the Python client (python/scalai)
 from dataset_files import write_megatron  # noqa
-from train import read_safetensors, write_safetensors  # noqa
+from reference import write_safetensors  # noqa
 
 MODEL = {"layers": 4, "hidden": 32, "heads": 4, "groups": 2, "ffn": 48, "vocab": 203, "seq": 16}
 DIVISOR = 8
@@ -183,9 +185,8 @@ def final_params(mnt, config):
     {(rank, local name): array}."""
     out = {}
     for r in range(world_size(config)):
-        tensors, _ = read_safetensors(f"{mnt}/ckpt/latest/rank-{r:05d}/model.safetensors")
-        for name, arr in tensors.items():
-            out[(r, name)] = arr
+        for name, arr in client.load_shard(mnt, r, device=None).items():
+            out[(r, name)] = np.array(arr)
     return out
 
 

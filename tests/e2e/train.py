@@ -31,12 +31,15 @@ import argparse
 import json
 import math
 import os
-import struct
+import sys
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+import scalai  # noqa: E402  the client every worker uses with the mount
 
 DTYPE = torch.float64
 ADAM = {"lr": 3e-3, "b1": 0.9, "b2": 0.95, "eps": 1e-8}
@@ -44,41 +47,6 @@ ADAM = {"lr": 3e-3, "b1": 0.9, "b2": 0.95, "eps": 1e-8}
 
 def parse_kv(text):
     return {k: v for k, v in (part.split("=") for part in text.split(","))}
-
-
-# --- safetensors, read and written here (no library) -------------------------
-
-ST_DTYPES = {"F64": np.float64, "F32": np.float32}
-
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        blob = f.read()
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8:8 + n])
-    meta = header.pop("__metadata__", {})
-    out = {}
-    for name, e in header.items():
-        b, end = e["data_offsets"]
-        out[name] = np.frombuffer(blob[8 + n + b:8 + n + end],
-                                  dtype=ST_DTYPES[e["dtype"]]).reshape(e["shape"]).copy()
-    return out, meta
-
-
-def write_safetensors(path, tensors, metadata):
-    header, offset = {"__metadata__": metadata}, 0
-    for name, arr in tensors.items():
-        header[name] = {"dtype": "F64", "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for arr in tensors.values():
-            f.write(np.ascontiguousarray(arr).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # --- the parallel layout -------------------------------------------------------
@@ -465,7 +433,9 @@ def main():
 
     # Load this rank's shard of the newest step, and where the job stands.
     ckpt = f"{mnt}/ckpt/latest/rank-{rank:05d}"
-    tensors, meta = read_safetensors(f"{ckpt}/model.safetensors")
+    shard = scalai.load_shard(mnt, rank, device=None)
+    tensors = {name: np.array(x) for name, x in shard.items()}  # owned copies
+    meta = shard.metadata
     assert meta["scalai.config"] == args.config, (meta, args.config)
     step = int(meta["scalai.step"])
     try:
@@ -485,22 +455,19 @@ def main():
             assert (info["flat_begin"], info["bucket_offset"], info["shape"]) == (a, at, [b - a]), \
                 (name, info, (a, b, at))
 
-    data = f"{mnt}/data/{args.dataset}"
-    with open(f"{data}/dataset.json") as f:
-        info = json.load(f)
+    samples = scalai.RankSamples(mnt, args.dataset, rank)
+    assert samples.dp_rank == topo.dp_rank, (samples.dp_rank, topo.dp_rank)
+    info = samples.info
     batch = info["global_batch"]
     assert info["position"] == state["iteration"] * batch, (info, state)
     mine = samples_per_batch(batch, topo.dp, topo.dp_rank)
-    ids = np.fromfile(f"{data}/rank-{topo.dp_rank:05d}/sample-ids.u64", dtype="<u8")
+    ids = samples.sample_ids
     seq = m["seq"]
     log = open(args.log, "a") if topo.last and topo.tp_rank == 0 and topo.dp_rank == 0 else None
 
     for j in range(args.iterations):
         iteration = state["iteration"] + j
-        rows = []
-        for k in range(j * mine, (j + 1) * mine):
-            with open(f"{data}/rank-{topo.dp_rank:05d}/samples/{k}", "rb") as f:
-                rows.append(np.frombuffer(f.read(), dtype="<i4"))
+        rows = [samples[k] for k in range(j * mine, (j + 1) * mine)]
         sample = torch.from_numpy(np.stack(rows).astype(np.int64))
         stage.gather()
         loss = stage.step(sample[:, :-1], sample[:, 1:], batch * seq, (mine, seq, m["hidden"]))
@@ -521,15 +488,12 @@ def main():
     if args.save:
         dist.barrier()
         if topo.dp_rank < topo.fsdp or topo.distopt:
-            out = f"{mnt}/ckpt/step-{done:08d}/rank-{rank:05d}"
-            os.makedirs(f"{out}/extra", exist_ok=True)
-            with open(f"{out}/extra/state.json", "w") as f:
-                json.dump({"iteration": done, "adam_step": state["adam_step"] + args.iterations,
-                           "saved_under": args.config}, f)
-            meta = {"scalai.step": str(done), "scalai.rank": str(rank)}
-            if rank == 0:
-                meta["scalai.consumed_samples"] = str(done * batch)
-            write_safetensors(f"{out}/model.safetensors", stage.tensors(), meta)
+            state_json = json.dumps({"iteration": done,
+                                     "adam_step": state["adam_step"] + args.iterations,
+                                     "saved_under": args.config})
+            scalai.save_shard(mnt, done, rank, stage.tensors(),
+                              extra={"state.json": state_json},
+                              consumed_samples=done * batch if rank == 0 else None)
         dist.barrier()
         if rank == 0:
             # On a host of a cluster the step commits once every host's
