@@ -57,7 +57,9 @@ absl::Status RunExport(const ExportCliOptions& o) {
 Command AddExportCommand(CLI::App& root) {
   auto o = std::make_shared<ExportCliOptions>();
   CLI::App* app = root.add_subcommand(
-      "export", "Write a step as per-rank shards for a config, or merged");
+      "export",
+      "Write a step as per-rank shards for a config (safetensors or "
+      "Megatron-LM), or merged");
   app->add_option("STORE", o->store, "store directory")->required();
   app->add_option("OUT", o->out, "output directory (new or empty)")->required();
   auto* config =

@@ -51,7 +51,8 @@ Command AddImportCommand(CLI::App& root) {
   auto o = std::make_shared<ImportCliOptions>();
   CLI::App* app = root.add_subcommand("import",
                                       "Import per-rank shards, a .safetensors "
-                                      "model or a Hugging Face directory");
+                                      "model, a Hugging Face directory or a "
+                                      "Megatron-LM checkpoint");
   app->add_option("STORE", o->store, "store directory")->required();
   app->add_option("SRC", o->src, "checkpoint to import")->required();
   app->add_option("--config", o->config,

@@ -98,7 +98,12 @@ absl::Status Serve(const MountCliOptions& o,
   MountOptions mount;
   mount.mountpoint = o.mountpoint;
   mount.allow_other = o.allow_other;
-  mount.on_ready = ready;
+  mount.on_ready = [&] {
+    // Best effort: without the note, a mount right after `umount` fails as
+    // it did before, naming the store in use.
+    store->NoteServedAt(o.mountpoint).IgnoreError();
+    ready();
+  };
   return ServeMount(job, mount);
 }
 

@@ -7,8 +7,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <fstream>
 #include <random>
 #include <set>
+#include <sstream>
+#include <thread>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/numbers.h"
@@ -38,17 +44,58 @@ absl::StatusOr<json> ParseRecord(const std::string& text,
   return j;
 }
 
+constexpr char kServedAt[] = "SERVED_AT";
+
+// Whether `path` is a mount point now (a line of /proc/self/mountinfo,
+// whose paths escape space, tab, newline and backslash in octal).
+bool IsMountPoint(const std::string& path) {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, device, root, target;
+    fields >> id >> parent >> device >> root >> target;
+    std::string unescaped;
+    for (size_t i = 0; i < target.size(); ++i) {
+      if (target[i] == '\\' && i + 3 < target.size()) {
+        unescaped +=
+            static_cast<char>(std::stoi(target.substr(i + 1, 3), nullptr, 8));
+        i += 3;
+      } else {
+        unescaped += target[i];
+      }
+    }
+    if (unescaped == path) return true;
+  }
+  return false;
+}
+
+// Whether the process holding the store is a mount server whose mount is
+// gone: `umount` returns when the kernel lets go of the mount point, a beat
+// before the server has exited and released the store.
+bool HolderIsLeaving(const std::string& dir) {
+  std::ifstream in(dir + "/" + kServedAt);
+  std::string mountpoint;
+  if (!std::getline(in, mountpoint) || mountpoint.empty()) return false;
+  return !IsMountPoint(mountpoint);
+}
+
 absl::StatusOr<UniqueFd> Lock(const std::string& dir, bool exclusive) {
   ASSIGN_OR_RETURN(UniqueFd fd,
                    OpenFile(dir + "/LOCK", O_RDWR | O_CREAT, 0600));
-  if (flock(fd.get(), (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0) {
-    if (errno == EWOULDBLOCK) {
+  // A server on its way out is waited for (10 s at most); any other holder
+  // is an error at once.
+  for (int tries = 0;; ++tries) {
+    if (flock(fd.get(), (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB) == 0) {
+      return fd;
+    }
+    if (errno != EWOULDBLOCK) return ErrnoError(errno, "lock", dir + "/LOCK");
+    if (tries >= 500 || !HolderIsLeaving(dir)) {
       return absl::FailedPreconditionError(
           absl::StrCat("store ", dir, " is in use by another scalai process"));
     }
-    return ErrnoError(errno, "lock", dir + "/LOCK");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  return fd;
 }
 
 }  // namespace
@@ -84,6 +131,23 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Create(const std::string& dir,
   RETURN_IF_ERROR(SyncDir(dir));
   store->layout_ = layout;
   return store;
+}
+
+absl::Status Store::NoteServedAt(const std::string& mountpoint) const {
+  char resolved[PATH_MAX];
+  const std::string path =
+      realpath(mountpoint.c_str(), resolved) != nullptr ? resolved : mountpoint;
+  const std::string file = dir_ + "/" + kServedAt;
+  const std::string tmp = file + ".tmp";
+  {
+    ASSIGN_OR_RETURN(UniqueFd fd,
+                     OpenFile(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0600));
+    const std::string text = path + "\n";
+    RETURN_IF_ERROR(WriteAll(fd.get(), text.data(), text.size(), tmp));
+  }
+  if (rename(tmp.c_str(), file.c_str()) != 0)
+    return ErrnoError(errno, "rename", tmp);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir,

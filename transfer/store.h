@@ -173,6 +173,10 @@ class Store {
       const std::string& dir, Access access = Access::kReadWrite);
 
   const std::string& dir() const { return dir_; }
+  // Records that a mount server serves this store at `mountpoint`: an open
+  // that finds the store held while that mount point is gone (unmounted,
+  // the server still exiting) waits for it to let go instead of failing.
+  absl::Status NoteServedAt(const std::string& mountpoint) const;
   const Layout& layout() const { return layout_; }
   // The global tensors, known from the first import on; null before.
   std::shared_ptr<const Model> model() const { return model_; }
