@@ -184,50 +184,47 @@ absl::Status WriteShard(OutputStream& stream, ShardRef r,
                         std::vector<std::byte>& buffer) {
   const Placement& to = plan.to();
   const Model& model = to.model();
-  {
-    const TensorShard& dst = to.shards(r.group)[r.shard];
-    const int elem = DTypeSize(model.tensor(dst.tensor).dtype);
-    ShardRef same = plan.in_place_source(r.group, r.shard);
-    if (same.valid()) {
-      // An identical stored shard: its bytes go out as they are.
-      return stream.CopyStored(src.tensor(same), 0, dst.bytes);
-    }
-    ASSIGN_OR_RETURN(std::vector<Segment> segments,
-                     plan.Resolve(r.group, r.shard, 0, dst.bytes));
-    if (static_cast<int64_t>(segments.size()) * kKernelCopyMinBytes <=
-        dst.bytes) {
-      for (const Segment& seg : segments) {
-        if (seg.src.valid()) {
-          RETURN_IF_ERROR(stream.CopyStored(src.tensor(seg.src), seg.src_offset,
-                                            seg.length));
-        } else {
-          RETURN_IF_ERROR(stream.Zeros(seg.length));
-        }
+  const TensorShard& dst = to.shards(r.group)[r.shard];
+  const int elem = DTypeSize(model.tensor(dst.tensor).dtype);
+  ShardRef same = plan.in_place_source(r.group, r.shard);
+  if (same.valid()) {
+    // An identical stored shard: its bytes go out as they are.
+    return stream.CopyStored(src.tensor(same), 0, dst.bytes);
+  }
+  ASSIGN_OR_RETURN(std::vector<Segment> segments,
+                   plan.Resolve(r.group, r.shard, 0, dst.bytes));
+  if (static_cast<int64_t>(segments.size()) * kKernelCopyMinBytes <=
+      dst.bytes) {
+    for (const Segment& seg : segments) {
+      if (seg.src.valid()) {
+        RETURN_IF_ERROR(
+            stream.CopyStored(src.tensor(seg.src), seg.src_offset, seg.length));
+      } else {
+        RETURN_IF_ERROR(stream.Zeros(seg.length));
       }
-    } else {
-      buffer.resize(dst.bytes);
-      for (const CopyOp& op : plan.ops(r.group, r.shard)) {
-        std::byte* dst_view =
-            buffer.data() + dst.ViewOffset(op.dst_piece) * elem;
-        if (!op.src.valid()) {
-          ZeroBox(dst_view, dst.ViewShape(op.dst_piece), op.dst.origin(),
-                  op.dst.shape(), elem);
-          continue;
-        }
-        const TensorShard& s = plan.from().shards(op.src.group)[op.src.shard];
-        const StepBytes::Tensor& t = src.tensor(op.src);
-        RETURN_IF_ERROR(t.Verify(0, s.bytes));
-        if (!ReadMapped([&] {
-              CopyBox(t.data + s.ViewOffset(op.src_piece) * elem,
-                      s.ViewShape(op.src_piece), op.src_origin, dst_view,
-                      dst.ViewShape(op.dst_piece), op.dst.origin(),
-                      op.dst.shape(), elem);
-            })) {
-          return t.blob->CutShort();
-        }
-      }
-      RETURN_IF_ERROR(stream.Write(buffer.data(), dst.bytes));
     }
+  } else {
+    buffer.resize(dst.bytes);
+    for (const CopyOp& op : plan.ops(r.group, r.shard)) {
+      std::byte* dst_view = buffer.data() + dst.ViewOffset(op.dst_piece) * elem;
+      if (!op.src.valid()) {
+        ZeroBox(dst_view, dst.ViewShape(op.dst_piece), op.dst.origin(),
+                op.dst.shape(), elem);
+        continue;
+      }
+      const TensorShard& s = plan.from().shards(op.src.group)[op.src.shard];
+      const StepBytes::Tensor& t = src.tensor(op.src);
+      RETURN_IF_ERROR(t.Verify(0, s.bytes));
+      if (!ReadMapped([&] {
+            CopyBox(t.data + s.ViewOffset(op.src_piece) * elem,
+                    s.ViewShape(op.src_piece), op.src_origin, dst_view,
+                    dst.ViewShape(op.dst_piece), op.dst.origin(),
+                    op.dst.shape(), elem);
+          })) {
+        return t.blob->CutShort();
+      }
+    }
+    RETURN_IF_ERROR(stream.Write(buffer.data(), dst.bytes));
   }
   return absl::OkStatus();
 }

@@ -183,4 +183,9 @@ absl::Status SyncFilesystem(const std::string& path) {
   return absl::OkStatus();
 }
 
+bool IsDirectory(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
 }  // namespace scalai

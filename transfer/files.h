@@ -83,6 +83,8 @@ absl::StatusOr<bool> SameBytes(const RangeReader& a, int64_t a_offset,
                                int64_t bytes);
 // The names in `dir` but "." and "..", in name order.
 absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir);
+// Whether `path` is a directory (following a symbolic link).
+bool IsDirectory(const std::string& path);
 // fsync of a directory, so that names created in it survive a crash.
 absl::Status SyncDir(const std::string& dir);
 // Makes everything written to the filesystem holding `path` durable (syncfs).

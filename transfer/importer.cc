@@ -69,11 +69,6 @@ absl::Status UserError(absl::string_view label, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(label, ": ", why));
 }
 
-bool IsDir(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
 bool Exists(const std::string& path) {
   struct stat st;
   return stat(path.c_str(), &st) == 0;
@@ -371,7 +366,7 @@ absl::Status PlanShards(const Store& store, const ImportOptions& o,
       return UserError(extra,
                        "is a symbolic link (extra/ must be a directory)");
     }
-    if (!IsDir(extra)) continue;
+    if (!IsDirectory(extra)) continue;
     std::vector<std::string> paths;
     RETURN_IF_ERROR(ListFiles(extra, "", paths));
     for (std::string& path : paths)
@@ -625,7 +620,7 @@ absl::StatusOr<ImportResult> ImportCheckpoint(Store& store,
   if (!Exists(o.src))
     return absl::NotFoundError(
         absl::StrCat(o.src, ": no such file or directory"));
-  if (!IsDir(o.src)) {
+  if (!IsDirectory(o.src)) {
     RETURN_IF_ERROR(PlanFull(store, {o.src}, {o.src}, nullptr, plan));
   } else if (IsMegatronCheckpoint(o.src)) {
     RETURN_IF_ERROR(PlanMegatron(store, o, plan));

@@ -28,11 +28,6 @@ using Kind = PickleValue::Kind;
 constexpr char kIterationFile[] = "latest_checkpointed_iteration.txt";
 constexpr char kRankFile[] = "model_optim_rng.pt";
 
-bool IsDirectory(const std::string& path) {
-  struct stat st;
-  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
 std::string Basename(const std::string& path) {
   std::string p = path;
   while (p.size() > 1 && p.back() == '/') p.pop_back();
@@ -207,11 +202,9 @@ absl::Status MoveOptimizerState(PickleValue& root, MegatronRankFile& r,
   std::map<int64_t, size_t> param_of;  // optimizer number -> parameter
   for (size_t g = 0; g < members.size(); ++g) {
     const PickleValue* numbers = groups->items[g]->Find("params");
-    for (size_t j = 0; j < members[g].size(); ++j) {
-      if (numbers->items[j]->kind != Kind::kInt)
-        return FileError(r.label, "a param group's params are not numbers");
+    // (MatchParamGroups checked that these are numbers.)
+    for (size_t j = 0; j < members[g].size(); ++j)
       param_of[numbers->items[j]->integer] = members[g][j];
-    }
   }
   std::vector<MegatronTensor> moved;
   for (auto& [key, per_param] : state->entries) {

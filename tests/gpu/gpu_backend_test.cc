@@ -227,16 +227,11 @@ TEST_F(Gpu, LiveReshardOnTheDeviceGivesEveryRankItsDirectCut) {
   for (int seed = 1; seed <= 40; ++seed) {
     std::mt19937_64 rng(seed);
     Scenario s = RandomScenario(rng);
-    auto draw = [&]() -> std::shared_ptr<const Placement> {
-      for (;;) {
-        auto p = Placement::Create(s.layout, s.model,
-                                   RandomConfigUpTo(rng, s.layers, 8));
-        if (p.ok()) return std::make_shared<const Placement>(*std::move(p));
-      }
-    };
     LiveSchedule::Options options;
     options.round_bytes = std::vector<int64_t>{64, 1000, 1 << 20}[rng() % 3];
-    RunOnDevice(s, draw(), draw(), options, /*through_nccl=*/false);
+    auto pa = RandomPlacement(rng, s, 8);
+    auto pb = RandomPlacement(rng, s, 8);
+    RunOnDevice(s, pa, pb, options, /*through_nccl=*/false);
     if (HasFatalFailure()) return;
   }
 }

@@ -144,8 +144,6 @@ inline ParallelConfig RandomConfig(std::mt19937_64& rng, int64_t layers) {
   return c;
 }
 
-// The oracle's view of one tensor on one tp rank: for each local index along
-// the split dim, the global index it holds, or -1 for a padding row.
 // A random config of at most `max_world` ranks, drawn as RandomConfig
 // draws them.
 inline ParallelConfig RandomConfigUpTo(std::mt19937_64& rng, int64_t layers,
@@ -155,6 +153,21 @@ inline ParallelConfig RandomConfigUpTo(std::mt19937_64& rng, int64_t layers,
     if (c.world_size() <= max_world) return c;
   }
 }
+
+// The placement of `s` under a random config of at most `max_world` ranks
+// that can hold it.
+inline std::shared_ptr<const Placement> RandomPlacement(std::mt19937_64& rng,
+                                                        const Scenario& s,
+                                                        int max_world) {
+  for (;;) {
+    auto p = Placement::Create(s.layout, s.model,
+                               RandomConfigUpTo(rng, s.layers, max_world));
+    if (p.ok()) return std::make_shared<const Placement>(*std::move(p));
+  }
+}
+
+// The oracle's view of one tensor on one tp rank: for each local index along
+// the split dim, the global index it holds, or -1 for a padding row.
 
 inline std::vector<int64_t> OracleRows(const TensorInfo& t, const OracleRule& r,
                                        int64_t divisor, int tp, int tp_rank) {

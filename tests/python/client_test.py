@@ -169,7 +169,9 @@ def main():
             scalai.reconfigure(mnt, "tp=3,pp=1,dp=1")
             raise AssertionError("a bad config was accepted")
         except scalai.ScalaiError as e:
-            assert "tp=3" in str(e) or "divide" in str(e), e
+            assert str(e).startswith(f"{mnt}/config: Invalid argument: tensor ") and \
+                "is not divisible by tp=3" in str(e), e
+            assert scalai.status(mnt)["config"] == "tp=2,pp=1,dp=3"  # nothing changed
         run("umount", mnt)
         mounts.discard(mnt)
 

@@ -24,14 +24,8 @@ class LiveReshardProperty : public ::testing::TestWithParam<int> {};
 TEST_P(LiveReshardProperty, EveryRankGetsItsDirectCutEachByteOnce) {
   std::mt19937_64 rng(GetParam());
   Scenario s = RandomScenario(rng);
-  auto draw = [&]() -> std::shared_ptr<const Placement> {
-    for (;;) {
-      auto p = Placement::Create(s.layout, s.model,
-                                 RandomConfigUpTo(rng, s.layers, 24));
-      if (p.ok()) return std::make_shared<const Placement>(*std::move(p));
-    }
-  };
-  std::shared_ptr<const Placement> pa = draw(), pb = draw();
+  std::shared_ptr<const Placement> pa = RandomPlacement(rng, s, 24);
+  std::shared_ptr<const Placement> pb = RandomPlacement(rng, s, 24);
   const ParallelConfig& ca = pa->config();
   const ParallelConfig& cb = pb->config();
   // Small rounds cut boxes and messages; large ones send each whole.
