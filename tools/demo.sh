@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 bash tools/install-deps.sh
-if [[ ! -d build/meson-private ]]; then meson setup build >/dev/null; fi
+if [[ ! -d build/meson-private ]]; then meson setup -Dwrap_mode=nodownload build >/dev/null; fi
 meson compile -C build >/dev/null
 
 scalai=build/tools/scalai
