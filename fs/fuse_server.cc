@@ -9,8 +9,11 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -25,6 +28,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "fs/fuse_state.h"
 #include "fs/save_area.h"
 #include "nlohmann/json.hpp"
@@ -95,9 +100,33 @@ bool Volatile(const Node& n) { return n.live || IsConfig(n); }
 
 double AttrTimeout(const Node& n) { return Volatile(n) ? 0 : kCacheSeconds; }
 
+// The kernel reads ahead of a reader at most its bdi's read_ahead_kb, 128
+// KiB unless raised, whatever the mount asks at INIT (it takes the lower):
+// raised here, before the INIT request is answered, where this process may
+// (as root). Found through mountinfo: a stat of the mount point would wait
+// for this server, which does not answer yet.
+void RaiseReadAhead(const std::string& mountpoint) {
+  char resolved[PATH_MAX];
+  if (realpath(mountpoint.c_str(), resolved) == nullptr) return;
+  std::ifstream mounts("/proc/self/mountinfo");
+  std::string line, device;
+  while (std::getline(mounts, line)) {
+    // ID PARENT MAJ:MIN ROOT MOUNTPOINT ...; spaces in a path are \040.
+    std::vector<std::string> fields = absl::StrSplit(line, ' ');
+    if (fields.size() < 5) continue;
+    absl::StrReplaceAll(
+        {{"\\040", " "}, {"\\011", "\t"}, {"\\012", "\n"}, {"\\134", "\\"}},
+        &fields[4]);
+    if (fields[4] == resolved) device = fields[2];  // the last mount there
+  }
+  if (device.empty()) return;
+  std::ofstream knob(absl::StrCat("/sys/class/bdi/", device, "/read_ahead_kb"));
+  knob << kReadAhead / 1024 << std::flush;
+}
+
 void OnInit(void*, fuse_conn_info* conn) {
-  conn->max_read = kMaxIo;
-  conn->max_readahead = kMaxIo;
+  conn->max_read = kMaxRead;
+  conn->max_readahead = kReadAhead;
   conn->max_write = kMaxIo;
   if (conn->capable & FUSE_CAP_SPLICE_WRITE)
     conn->want |= FUSE_CAP_SPLICE_WRITE;
@@ -401,18 +430,66 @@ void OnRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
   if (old) ReapOldTrees(s);
 }
 
+// A buffer for the replies a FUSE thread copies: a new one for each read
+// would pay for faulting in its pages every time.
+char* ReplyBuffer(size_t size) {
+  thread_local std::unique_ptr<char[]> buffer;
+  thread_local size_t capacity = 0;
+  if (capacity < size) {
+    buffer.reset(new char[size]);
+    capacity = size;
+  }
+  return buffer.get();
+}
+
+// Replies with bytes that lie in stored blobs (and the header's text) by
+// handing the kernel the blobs' files: it copies the bytes from their pages
+// into the reader's (splice), and they never pass through this process.
+// Returns false, having replied nothing, when the bytes must be copied.
+bool ReplyFromBlobs(fuse_req_t req, Handle& h, size_t size, off_t offset) {
+  absl::StatusOr<std::vector<Tree::ReadPiece>> pieces = h.tree->ReadPieces(
+      *h.node, offset, static_cast<int64_t>(size), kMaxSplicedPieces);
+  if (!pieces.ok()) {
+    ReportDataLoss(Get(req), pieces.status());
+    fuse_reply_err(req, ToErrno(pieces.status()));
+    return true;
+  }
+  if (pieces->empty()) return false;
+  // fuse_bufvec ends in an array of one: the others follow it.
+  const size_t n = pieces->size();
+  std::vector<std::byte> storage(sizeof(fuse_bufvec) +
+                                 (n - 1) * sizeof(fuse_buf));
+  fuse_bufvec* out = new (storage.data()) fuse_bufvec{};
+  out->count = n;
+  for (size_t i = 0; i < n; ++i) {
+    const Tree::ReadPiece& piece = (*pieces)[i];
+    fuse_buf& buf = out->buf[i];
+    buf.size = static_cast<size_t>(piece.length);
+    if (piece.blob == nullptr) {
+      buf.mem = const_cast<char*>(piece.memory);
+      continue;
+    }
+    buf.fd = h.blob_fds.Get(*piece.blob);
+    if (buf.fd < 0) return false;
+    buf.flags = static_cast<fuse_buf_flags>(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK);
+    buf.pos = piece.offset;
+  }
+  fuse_reply_data(req, out, FUSE_BUF_SPLICE_MOVE);
+  return true;
+}
+
 void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
             fuse_file_info* fi) {
-  const Handle& h = *HandleOf(fi);
+  Handle& h = *HandleOf(fi);
   if (h.file != nullptr) {
-    std::unique_ptr<char[]> buf(new char[size]);
+    char* buf = ReplyBuffer(size);
     absl::StatusOr<int64_t> got =
-        h.file->Read(buf.get(), static_cast<int64_t>(size), offset);
+        h.file->Read(buf, static_cast<int64_t>(size), offset);
     if (!got.ok()) {
       fuse_reply_err(req, ToErrno(got.status()));
       return;
     }
-    fuse_reply_buf(req, buf.get(), *got);
+    fuse_reply_buf(req, buf, *got);
     return;
   }
   if (h.node->live) {
@@ -421,15 +498,16 @@ void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
     fuse_reply_buf(req, text.data() + at, std::min(size, text.size() - at));
     return;
   }
-  std::unique_ptr<char[]> buf(new char[size]);
+  if (ReplyFromBlobs(req, h, size, offset)) return;
+  char* buf = ReplyBuffer(size);
   absl::StatusOr<int64_t> got =
-      h.tree->Read(*h.node, offset, static_cast<int64_t>(size), buf.get());
+      h.tree->Read(*h.node, offset, static_cast<int64_t>(size), buf);
   if (!got.ok()) {
     ReportDataLoss(Get(req), got.status());
     fuse_reply_err(req, ToErrno(got.status()));
     return;
   }
-  fuse_reply_buf(req, buf.get(), *got);
+  fuse_reply_buf(req, buf, *got);
 }
 
 // `echo C > config` truncates first; the truncation itself changes nothing.
@@ -611,7 +689,7 @@ absl::Status Serve(Job& job, const MountOptions& options) {
   // and owner the mount reports, so another user (with --allow-other) may
   // read but not write the owner's files.
   std::string mount_opts = absl::StrCat(
-      "fsname=scalai,subtype=scalai,default_permissions,max_read=", kMaxIo);
+      "fsname=scalai,subtype=scalai,default_permissions,max_read=", kMaxRead);
   if (options.allow_other) absl::StrAppend(&mount_opts, ",allow_other");
   std::vector<std::string> argv_store = {"scalai", "-o", mount_opts};
   std::vector<char*> argv;
@@ -632,6 +710,7 @@ absl::Status Serve(Job& job, const MountOptions& options) {
                      "/dev/fuse available?)"));
   }
   absl::Cleanup unmount = [se] { fuse_session_unmount(se); };
+  RaiseReadAhead(options.mountpoint);
   if (options.on_ready) options.on_ready();
   // A store whose steps are not yet stored under its config (switched by
   // `mount --config`, or a materialization cut short) catches up now.
@@ -648,7 +727,8 @@ absl::Status Serve(Job& job, const MountOptions& options) {
   };
   fuse_loop_config* config = fuse_loop_cfg_create();
   fuse_loop_cfg_set_max_threads(config, 16);
-  fuse_loop_cfg_set_idle_threads(config, 4);
+  // Threads kept waiting: many readers at once need them again at once.
+  fuse_loop_cfg_set_idle_threads(config, 16);
   int rc = fuse_session_loop_mt(se, config);
   fuse_loop_cfg_destroy(config);
   if (rc < 0)

@@ -607,13 +607,7 @@ absl::StatusOr<int64_t> Tree::Read(const Node& node, int64_t offset,
     return length;
   }
   if (node.extra >= 0) {
-    // Opened at the first read: a job's many steps and ranks may name far
-    // more extra files than a process may map, and few are ever read.
-    ExtraBlob& blob = *extras_[node.extra];
-    std::call_once(blob.once, [&blob] {
-      blob.reader = BlobReader::Open(blob.path, blob.name, blob.record);
-    });
-    RETURN_IF_ERROR(blob.reader->Read(out, length, offset));
+    RETURN_IF_ERROR(ExtraReader(node.extra).Read(out, length, offset));
     return length;
   }
   if (node.view < 0) {
@@ -621,18 +615,85 @@ absl::StatusOr<int64_t> Tree::Read(const Node& node, int64_t offset,
     return length;
   }
   const StepView& view = *views_[node.view];
-  if (node.shard >= 0) {
-    RETURN_IF_ERROR(
-        view.ReadTensor(node.group, node.shard, offset, length, out));
-    return length;
+  const int64_t header =
+      std::min(length, std::max<int64_t>(0, HeaderSize(node) - offset));
+  if (header > 0) std::memcpy(out, node.text.data() + offset, header);
+  char* next = out + header;
+  RETURN_IF_ERROR(ForEachTensorPart(node, offset, length,
+                                    [&](int shard, int64_t within,
+                                        int64_t n) -> absl::StatusOr<bool> {
+                                      RETURN_IF_ERROR(view.ReadTensor(
+                                          node.group, shard, within, n, next));
+                                      next += n;
+                                      return true;
+                                    })
+                      .status());
+  return length;
+}
+
+const BlobReader& Tree::ExtraReader(int extra) const {
+  // Opened at the first read: a job's many steps and ranks may name far
+  // more extra files than a process may map, and few are ever read.
+  ExtraBlob& blob = *extras_[extra];
+  std::call_once(blob.once, [&blob] {
+    blob.reader = BlobReader::Open(blob.path, blob.name, blob.record);
+  });
+  return *blob.reader;
+}
+
+absl::StatusOr<std::vector<Tree::ReadPiece>> Tree::ReadPieces(
+    const Node& node, int64_t offset, int64_t length, size_t max_pieces) const {
+  std::vector<ReadPiece> pieces;
+  if (node.kind != NodeKind::kFile || node.data != DataFile::kNone ||
+      max_pieces == 0) {
+    return pieces;
   }
+  const int64_t size = SizeOf(node);
+  if (offset >= size || length <= 0) return pieces;
+  length = std::min(length, size - offset);
+  if (node.extra >= 0) {
+    const BlobReader& blob = ExtraReader(node.extra);
+    RETURN_IF_ERROR(blob.Verify(offset, length));
+    pieces.push_back({&blob, offset, nullptr, length});
+    return pieces;
+  }
+  if (node.view < 0) return pieces;  // a short text: copied
+  const StepView& view = *views_[node.view];
+  const bool header = node.shard < 0 && offset < HeaderSize(node);
+  if (header) {
+    const int64_t n = std::min(length, HeaderSize(node) - offset);
+    pieces.push_back({nullptr, 0, node.text.data() + offset, n});
+  }
+  UnchangedBlobs unchanged;
+  std::vector<StepView::BlobRun> runs;
+  const size_t max_runs = max_pieces - pieces.size();
+  absl::StatusOr<bool> stored = ForEachTensorPart(
+      node, offset, length,
+      [&](int shard, int64_t within, int64_t n) -> absl::StatusOr<bool> {
+        return view.StoredRuns(node.group, shard, within, n, max_runs,
+                               unchanged, runs);
+      });
+  if (!stored.ok()) return stored.status();
+  if (!*stored) return std::vector<ReadPiece>();
+  for (const StepView::BlobRun& run : runs) {
+    pieces.push_back({run.blob, run.offset, nullptr, run.length});
+  }
+  return pieces;
+}
+
+int64_t Tree::HeaderSize(const Node& node) const {
+  return node.shard >= 0 ? 0 : static_cast<int64_t>(node.text.size());
+}
+
+absl::StatusOr<bool> Tree::ForEachTensorPart(
+    const Node& node, int64_t offset, int64_t length,
+    const std::function<absl::StatusOr<bool>(int, int64_t, int64_t)>& part)
+    const {
+  if (node.shard >= 0) return part(node.shard, offset, length);
   // model.safetensors: the header, then each tensor of the group in turn.
-  int64_t done = 0;
-  const int64_t header = static_cast<int64_t>(node.text.size());
-  if (offset < header) {
-    done = std::min(length, header - offset);
-    std::memcpy(out, node.text.data() + offset, done);
-  }
+  const int64_t header = HeaderSize(node);
+  int64_t done = std::min(length, std::max<int64_t>(0, header - offset));
+  const StepView& view = *views_[node.view];
   const std::vector<int64_t>& starts = tensor_starts_[node.view][node.group];
   const std::vector<TensorShard>& shards = view.placement().shards(node.group);
   while (done < length) {
@@ -643,11 +704,11 @@ absl::StatusOr<int64_t> Tree::Read(const Node& node, int64_t offset,
     while (k < shards.size() && data_pos >= starts[k] + shards[k].bytes) ++k;
     const int64_t within = data_pos - starts[k];
     const int64_t n = std::min(length - done, shards[k].bytes - within);
-    RETURN_IF_ERROR(view.ReadTensor(node.group, static_cast<int>(k), within, n,
-                                    out + done));
+    ASSIGN_OR_RETURN(bool go_on, part(static_cast<int>(k), within, n));
+    if (!go_on) return false;
     done += n;
   }
-  return length;
+  return true;
 }
 
 }  // namespace scalai

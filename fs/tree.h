@@ -15,6 +15,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -124,6 +125,24 @@ class Tree {
   // Reads up to `length` bytes at `offset`; returns how many (0 at the end).
   absl::StatusOr<int64_t> Read(const Node& node, int64_t offset, int64_t length,
                                char* out) const;
+  // One piece of a read: `length` bytes at `offset` in `blob`, for the
+  // kernel to copy from the blob's file, or at `memory`.
+  struct ReadPiece {
+    const BlobReader* blob = nullptr;
+    int64_t offset = 0;
+    const char* memory = nullptr;
+    int64_t length = 0;
+  };
+  // What Read would return, as at most `max_pieces` pieces, when every byte
+  // is either text the tree holds or a run of a blob this host stores (of a
+  // model.safetensors, a tensors/ file or an extra file), the runs
+  // verified: the server sends those without copying them itself. Empty
+  // when some bytes must be made here (zeros, another host's, rows of
+  // tensors: then Read), and at the end of the file.
+  absl::StatusOr<std::vector<ReadPiece>> ReadPieces(const Node& node,
+                                                    int64_t offset,
+                                                    int64_t length,
+                                                    size_t max_pieces) const;
   uint64_t generation() const { return generation_; }
   // Inode numbers: the generation in the high 24 bits, an index below.
   static constexpr int kIndexBits = 40;
@@ -215,6 +234,17 @@ class Tree {
     std::shared_ptr<const BlobReader> reader;  // set once, under `once`
   };
   std::vector<std::unique_ptr<ExtraBlob>> extras_;
+  const BlobReader& ExtraReader(int extra) const;
+  // The bytes of a shard's node before its tensors: model.safetensors'
+  // header; none for a tensors/ file.
+  int64_t HeaderSize(const Node& node) const;
+  // Calls `part(shard, within, n)` for each tensor's bytes that bytes
+  // [offset, offset + length) of a shard's node hold past its header, in
+  // order, while it returns true; returns false if it stopped.
+  absl::StatusOr<bool> ForEachTensorPart(
+      const Node& node, int64_t offset, int64_t length,
+      const std::function<absl::StatusOr<bool>(int, int64_t, int64_t)>& part)
+      const;
   // The nodes of each step's directory, by index: [first, end).
   std::map<int64_t, std::pair<size_t, size_t>> step_nodes_;
   // Start of each tensor in a group's model.safetensors data: [view][group].

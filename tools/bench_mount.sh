@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Sequential reads (1 MiB blocks) of every rank's model.safetensors through the
-# mount, against libfuse's own passthrough_ll example (built from the examples
-# Debian's libfuse3-dev ships) serving the same blob files in the same caching
-# mode (page cache), and `dd` of the blobs themselves, all in the same run.
-# Also times `ls -lR` of a 64-rank, 300-tensor step. Run by hand:
+# mount, by one reader and by eight at once, against the strongest peers in
+# the same run: libfuse's own passthrough_ll example (built from the examples
+# Debian's libfuse3-dev ships) serving the same blob files in its fastest
+# mode (cache=never: it splices each read from the blob straight into the
+# reader's buffer), and `dd` of the blobs themselves; once with the blobs in
+# the page cache and once after dropping it. Also times `ls -lR` of a
+# 64-rank, 300-tensor step. Run by hand, as root (it drops the page cache):
 #   tools/bench_mount.sh [WORKDIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,35 +22,106 @@ trap cleanup EXIT
 pt=$work/passthrough_ll
 gcc -O2 /usr/share/doc/libfuse3-dev/examples/passthrough_ll.c $(pkg-config --cflags --libs fuse3) -o "$pt"
 
+# Eight stored shards (tp=4,pp=2), about 2 GiB. Every figure is the first
+# read after a fresh mount, so that the FUSE file's own page cache is empty.
 model="layers=18,hidden=2048,heads=16,vocab=32000"
-"$scalai" synth "$work/ckpt" --layout megatron-core-gpt --model "$model" --config tp=2,pp=2,dp=1 --seed 1
+"$scalai" synth "$work/ckpt" --layout megatron-core-gpt --model "$model" --config tp=4,pp=2,dp=1 --seed 1 >/dev/null
 "$scalai" init "$work/store" --layout megatron-core-gpt --param vocab_size=32000 >/dev/null
-"$scalai" import "$work/store" "$work/ckpt" --config tp=2,pp=2,dp=1 >/dev/null
-bytes=$(du -sb "$work/store/blobs" | cut -f1)
+"$scalai" import "$work/store" "$work/ckpt" --config tp=4,pp=2,dp=1 >/dev/null
+rm -rf "$work/ckpt"
+blobs=("$work"/store/blobs/*)
+bytes=$(du -cb "${blobs[@]}" | tail -1 | cut -f1)
 gib=$(echo "$bytes / 1073741824" | bc -l)
 
-# Reads every file given, 1 MiB at a time; prints seconds.
-read_all() { local t0 t1; t0=$(date +%s.%N); for f in "$@"; do dd if="$f" of=/dev/null bs=1M status=none; done
-             t1=$(date +%s.%N); echo "$t1 - $t0" | bc -l; }
-rate() { printf '%6.2f GiB/s' "$(echo "$gib / $1" | bc -l)"; }
+# One reader: every file given in turn, 1 MiB at a time. Eight readers: one
+# file each, all at once (eight copies of the one file when given one).
+# Prints seconds.
+now() { date +%s.%N; }
+one_reader() { local t0; t0=$(now); for f in "$@"; do dd if="$f" of=/dev/null bs=1M status=none; done
+               echo "$(now) - $t0" | bc -l; }
+eight_readers() { local t0 files=("$@") i; t0=$(now)
+  for i in 0 1 2 3 4 5 6 7; do dd if="${files[$((i % ${#files[@]}))]}" of=/dev/null bs=1M status=none & done
+  wait; echo "$(now) - $t0" | bc -l; }
+# Figures for eight readers of one file count the bytes eight readers get.
+cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 
 mkdir -p "$work/mnt" "$work/pt"
-direct=$(read_all "$work"/store/blobs/*)
-"$pt" -o source="$work/store/blobs",cache=auto "$work/pt"
-ptll=$(read_all "$work"/pt/*)
-umount "$work/pt"
-"$scalai" mount "$work/store" "$work/mnt" >/dev/null
-same=$(read_all "$work"/mnt/ckpt/latest/rank-*/model.safetensors)
-"$scalai" umount "$work/mnt"
-"$scalai" mount "$work/store" "$work/mnt" --config tp=4,pp=1,dp=1 >/dev/null
-other=$(read_all "$work"/mnt/ckpt/latest/rank-*/model.safetensors)
-"$scalai" umount "$work/mnt"
+ranks() { ls -d "$work"/mnt/ckpt/latest/rank-*/model.safetensors; }
+# $1: what to measure (one|eight|same), $2: cold|warm, $3: config or "pt".
+measure() {
+  local how=$1 cache=$2 what=$3 files store=$work/store
+  if [[ $what == "$assembled" ]]; then
+    # Mounting under another config starts storing the step under it
+    # (materialization, running beside the reads as it would after a
+    # reconfiguration), which replaces the blobs: each time on a new copy.
+    rm -rf "$work/copy" && cp -a "$work/store" "$work/copy" && store=$work/copy
+    warm() { cat "$work"/copy/blobs/* >/dev/null; }
+  else
+    warm() { cat "${blobs[@]}" >/dev/null; }
+  fi
+  $cache
+  if [[ $what == pt ]]; then
+    "$pt" -o source="$work/source",cache=never "$work/pt"
+    files=("$work"/pt/*)
+  elif [[ $what == dd ]]; then
+    files=("${blobs[@]}")
+  else
+    "$scalai" mount "$store" "$work/mnt" --config "$what" >/dev/null
+    mapfile -t files < <(ranks)
+  fi
+  case $how in
+    one) one_reader "${files[@]}" ;;
+    eight) eight_readers "${files[@]}" ;;
+    same) eight_readers "${files[0]}" ;;
+  esac
+  if [[ $what == pt ]]; then umount "$work/pt"; elif [[ $what != dd ]]; then "$scalai" umount "$work/mnt"; fi
+}
 
-printf 'reading %.2f GiB (4 shard files), 1 MiB blocks, first read after mount\n' "$gib"
-printf '%-46s %6.2f s %s\n' "dd of the blobs (page cache)" "$direct" "$(rate "$direct")"
-printf '%-46s %6.2f s %s\n' "passthrough_ll, cache=auto" "$ptll" "$(rate "$ptll")"
-printf '%-46s %6.2f s %s  %.2fx passthrough_ll\n' "scalai mount, stored config (from blobs)" "$same" "$(rate "$same")" "$(echo "$ptll / $same" | bc -l)"
-printf '%-46s %6.2f s %s  %.2fx passthrough_ll\n' "scalai mount, tp=4,pp=1 (assembled)" "$other" "$(rate "$other")" "$(echo "$ptll / $other" | bc -l)"
+stored=tp=4,pp=2,dp=1
+assembled=tp=8,pp=1,dp=1
+# passthrough_ll serves the stored step's blobs alone.
+mkdir -p "$work/source" && ln "${blobs[@]}" "$work/source/"
+first_file_gib=$(echo "$(stat -c %s "${blobs[0]}") / 1073741824" | bc -l)
+declare -A t
+for cache in warm cold; do
+  for what in dd pt $stored $assembled; do
+    t[$cache,one,$what]=$(measure one $cache $what)
+    t[$cache,eight,$what]=$(measure eight $cache $what)
+  done
+  # Eight readers of one stored rank (data-parallel replicas reading one
+  # shard), against eight readers of its blob through passthrough_ll.
+  t[$cache,same,pt]=$(measure same $cache pt)
+  t[$cache,same,$stored]=$(measure same $cache $stored)
+  t[$cache,same,dd]=$(measure same $cache dd)
+done
+
+rate() { printf '%5.2f GiB/s' "$(echo "$2 / $1" | bc -l)"; }
+ratio() { printf '%5.2fx' "$(echo "$2 / $1" | bc -l)"; }
+printf 'reading %.2f GiB (8 shard files of a tp=4,pp=2 step), 1 MiB blocks, first read after mount\n' "$gib"
+for cache in warm cold; do
+  if [[ $cache == warm ]]; then
+    printf '\nblobs in the page cache          time      rate        vs passthrough_ll  vs page cache\n'
+  else
+    printf '\ncold cache (drop_caches first)   time      rate        vs passthrough_ll  vs dd (cold)\n'
+  fi
+  for how in one eight same; do
+    size=$gib; [[ $how == same ]] && size=$(echo "$first_file_gib * 8" | bc -l)
+    whats=(dd pt $stored $assembled); [[ $how == same ]] && whats=(dd pt $stored)
+    for what in "${whats[@]}"; do
+      case $what in
+        dd) label="dd of the blobs" ;; pt) label="passthrough_ll, cache=never" ;;
+        $stored) label="scalai, stored shards" ;; *) label="scalai, assembled ($assembled)" ;;
+      esac
+      case $how in one) label="1 reader:  $label" ;; eight) label="8 readers: $label" ;; same) label="8 on 1:    $label" ;; esac
+      secs=${t[$cache,$how,$what]}
+      line=$(printf '%-52s %6.2f s %s' "$label" "$secs" "$(rate "$secs" "$size")")
+      if [[ $what != dd && $what != pt ]]; then
+        line+="  $(ratio "$secs" "${t[$cache,$how,pt]}")            $(ratio "$secs" "${t[$cache,$how,dd]}")"
+      fi
+      echo "$line"
+    done
+  done
+done
 
 # ls -lR of a 64-rank step with 300 tensors a rank.
 "$scalai" init "$work/wide" --layout megatron-core-gpt --param vocab_size=1024 >/dev/null
