@@ -659,8 +659,7 @@ absl::StatusOr<std::vector<Tree::ReadPiece>> Tree::ReadPieces(
   }
   if (node.view < 0) return pieces;  // a short text: copied
   const StepView& view = *views_[node.view];
-  const bool header = node.shard < 0 && offset < HeaderSize(node);
-  if (header) {
+  if (offset < HeaderSize(node)) {
     const int64_t n = std::min(length, HeaderSize(node) - offset);
     pieces.push_back({nullptr, 0, node.text.data() + offset, n});
   }
