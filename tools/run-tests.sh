@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 bash tools/install-deps.sh || exit 1
 # Every library comes from Debian (install-deps.sh): the wraps in subprojects/
-# are fallbacks for other machines, and the tests never download them.
+# are fallbacks for other machines, never downloaded by a build (meson.build's
+# default, restated here for a build directory configured otherwise).
 if [[ -d build/meson-private ]]; then
   meson setup --reconfigure -Dwrap_mode=nodownload build >/dev/null || exit 1
 else

@@ -4,9 +4,9 @@ release (its version in the directory and the archive's name) and the
 SHA-256 of every archive it would fetch, so a fallback build gets exactly
 the bytes WrapDB published or fails. Each wrap is wired to the dependency()
 calls it stands in for, and every fallback named in a meson.build has its
-wrap. A build configured with wrap_mode=nodownload (as tools/run-tests.sh
-does) took every library from the system: no subproject was built, and
-nothing was downloaded into the source tree."""
+wrap. The project's default is wrap_mode=nodownload (a build never fetches
+anything), and a build configured so took every library from the system:
+no subproject was built, and nothing was unpacked into the source tree."""
 import configparser
 import glob
 import json
@@ -63,6 +63,9 @@ def fallbacks_in_build_files():
 def main():
     wraps = dict(check_wrap(p) for p in sorted(glob.glob(os.path.join(SOURCE, "subprojects", "*.wrap"))))
     assert len(wraps) >= 5, wraps
+    project = open(os.path.join(SOURCE, "meson.build")).read()
+    defaults = re.search(r"default_options\s*:\s*\[([^\]]*)\]", project).group(1)
+    assert "'wrap_mode=nodownload'" in defaults, "meson.build must default to wrap_mode=nodownload"
     fallbacks = fallbacks_in_build_files()
     for dep, wrap in fallbacks:
         assert wrap in wraps, f"dependency('{dep}') falls back on {wrap}, which has no wrap"
