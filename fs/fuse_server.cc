@@ -28,12 +28,11 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_replace.h"
-#include "absl/strings/str_split.h"
 #include "fs/fuse_state.h"
 #include "fs/save_area.h"
 #include "nlohmann/json.hpp"
 #include "ptc/status_macros.h"
+#include "transfer/files.h"
 
 namespace scalai {
 namespace fuse {
@@ -103,22 +102,10 @@ double AttrTimeout(const Node& n) { return Volatile(n) ? 0 : kCacheSeconds; }
 // The kernel reads ahead of a reader at most its bdi's read_ahead_kb, 128
 // KiB unless raised, whatever the mount asks at INIT (it takes the lower):
 // raised here, before the INIT request is answered, where this process may
-// (as root). Found through mountinfo: a stat of the mount point would wait
-// for this server, which does not answer yet.
+// (as root). `mountpoint` is resolved before mounting: nothing under it may
+// be looked at before this server answers.
 void RaiseReadAhead(const std::string& mountpoint) {
-  char resolved[PATH_MAX];
-  if (realpath(mountpoint.c_str(), resolved) == nullptr) return;
-  std::ifstream mounts("/proc/self/mountinfo");
-  std::string line, device;
-  while (std::getline(mounts, line)) {
-    // ID PARENT MAJ:MIN ROOT MOUNTPOINT ...; spaces in a path are \040.
-    std::vector<std::string> fields = absl::StrSplit(line, ' ');
-    if (fields.size() < 5) continue;
-    absl::StrReplaceAll(
-        {{"\\040", " "}, {"\\011", "\t"}, {"\\012", "\n"}, {"\\134", "\\"}},
-        &fields[4]);
-    if (fields[4] == resolved) device = fields[2];  // the last mount there
-  }
+  const std::string device = MountedDevice(mountpoint);
   if (device.empty()) return;
   std::ofstream knob(absl::StrCat("/sys/class/bdi/", device, "/read_ahead_kb"));
   knob << kReadAhead / 1024 << std::flush;
@@ -703,6 +690,11 @@ absl::Status Serve(Job& job, const MountOptions& options) {
     return absl::InternalError("cannot install signal handlers");
   }
   absl::Cleanup remove_handlers = [se] { fuse_remove_signal_handlers(se); };
+  char resolved[PATH_MAX];
+  const std::string mountpoint =
+      realpath(options.mountpoint.c_str(), resolved) != nullptr
+          ? resolved
+          : options.mountpoint;
   if (fuse_session_mount(se, options.mountpoint.c_str()) != 0) {
     return absl::UnavailableError(
         absl::StrCat("cannot mount at ", options.mountpoint,
@@ -710,7 +702,7 @@ absl::Status Serve(Job& job, const MountOptions& options) {
                      "/dev/fuse available?)"));
   }
   absl::Cleanup unmount = [se] { fuse_session_unmount(se); };
-  RaiseReadAhead(options.mountpoint);
+  RaiseReadAhead(mountpoint);
   if (options.on_ready) options.on_ready();
   // A store whose steps are not yet stored under its config (switched by
   // `mount --config`, or a materialization cut short) catches up now.

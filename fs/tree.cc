@@ -663,18 +663,20 @@ absl::StatusOr<std::vector<Tree::ReadPiece>> Tree::ReadPieces(
     const int64_t n = std::min(length, HeaderSize(node) - offset);
     pieces.push_back({nullptr, 0, node.text.data() + offset, n});
   }
-  UnchangedBlobs unchanged;
   std::vector<StepView::BlobRun> runs;
   const size_t max_runs = max_pieces - pieces.size();
   absl::StatusOr<bool> stored = ForEachTensorPart(
       node, offset, length,
       [&](int shard, int64_t within, int64_t n) -> absl::StatusOr<bool> {
-        return view.StoredRuns(node.group, shard, within, n, max_runs,
-                               unchanged, runs);
+        return view.StoredRuns(node.group, shard, within, n, max_runs, runs);
       });
   if (!stored.ok()) return stored.status();
   if (!*stored) return std::vector<ReadPiece>();
+  // Verified only now: a read that is copied instead verifies in Read.
+  UnchangedBlobs unchanged;
   for (const StepView::BlobRun& run : runs) {
+    RETURN_IF_ERROR(unchanged.Check(*run.blob));
+    RETURN_IF_ERROR(run.blob->VerifyChunks(run.offset, run.length));
     pieces.push_back({run.blob, run.offset, nullptr, run.length});
   }
   return pieces;

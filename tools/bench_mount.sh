@@ -44,6 +44,8 @@ eight_readers() { local t0 files=("$@") i; t0=$(now)
   wait; echo "$(now) - $t0" | bc -l; }
 # Figures for eight readers of one file count the bytes eight readers get.
 cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+# The blobs of the store being measured (measure's `store`) in the cache.
+warm() { cat "$store"/blobs/* >/dev/null; }
 
 mkdir -p "$work/mnt" "$work/pt"
 ranks() { ls -d "$work"/mnt/ckpt/latest/rank-*/model.safetensors; }
@@ -55,9 +57,6 @@ measure() {
     # (materialization, running beside the reads as it would after a
     # reconfiguration), which replaces the blobs: each time on a new copy.
     rm -rf "$work/copy" && cp -a "$work/store" "$work/copy" && store=$work/copy
-    warm() { cat "$work"/copy/blobs/* >/dev/null; }
-  else
-    warm() { cat "${blobs[@]}" >/dev/null; }
   fi
   $cache
   if [[ $what == pt ]]; then

@@ -9,7 +9,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -181,6 +183,30 @@ absl::Status SyncFilesystem(const std::string& path) {
   if (!fd.ok()) return fd.status();
   if (syncfs(fd->get()) != 0) return ErrnoError(errno, "syncfs", path);
   return absl::OkStatus();
+}
+
+std::string MountedDevice(const std::string& path) {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line, found;
+  while (std::getline(in, line)) {
+    // ID PARENT MAJOR:MINOR ROOT MOUNTPOINT ...; the paths escape space,
+    // tab, newline and backslash in octal (\040).
+    std::istringstream fields(line);
+    std::string id, parent, device, root, target;
+    fields >> id >> parent >> device >> root >> target;
+    std::string unescaped;
+    for (size_t i = 0; i < target.size(); ++i) {
+      if (target[i] == '\\' && i + 3 < target.size()) {
+        unescaped +=
+            static_cast<char>(std::stoi(target.substr(i + 1, 3), nullptr, 8));
+        i += 3;
+      } else {
+        unescaped += target[i];
+      }
+    }
+    if (unescaped == path) found = device;  // later lines are later mounts
+  }
+  return found;
 }
 
 bool IsDirectory(const std::string& path) {

@@ -85,6 +85,12 @@ absl::StatusOr<bool> SameBytes(const RangeReader& a, int64_t a_offset,
 absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir);
 // Whether `path` is a directory (following a symbolic link).
 bool IsDirectory(const std::string& path);
+// The device ("MAJOR:MINOR") of what is mounted at `path` now, the latest
+// mount there, from /proc/self/mountinfo; "" if nothing is. `path` must be
+// absolute and resolved (realpath): it is compared with mountinfo's as is.
+// Reads no file under `path`, so it may ask about a FUSE mount whose
+// server does not answer yet.
+std::string MountedDevice(const std::string& path);
 // fsync of a directory, so that names created in it survive a crash.
 absl::Status SyncDir(const std::string& dir);
 // Makes everything written to the filesystem holding `path` durable (syncfs).

@@ -66,11 +66,9 @@ absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
 
 absl::StatusOr<bool> StepView::StoredRuns(int group, int shard, int64_t offset,
                                           int64_t length, size_t max_runs,
-                                          UnchangedBlobs& unchanged,
                                           std::vector<BlobRun>& runs) const {
-  auto append = [&](const StepBytes::Tensor& t, int64_t at,
-                    int64_t n) -> absl::StatusOr<bool> {
-    RETURN_IF_ERROR(t.Verify(at, n, unchanged));
+  // Appends a run; false once there are too many.
+  auto append = [&](const StepBytes::Tensor& t, int64_t at, int64_t n) {
     const int64_t in_blob = t.offset + at;
     if (!runs.empty() && runs.back().blob == t.blob &&
         runs.back().offset + runs.back().length == in_blob) {
@@ -87,10 +85,10 @@ absl::StatusOr<bool> StepView::StoredRuns(int group, int shard, int64_t offset,
   ASSIGN_OR_RETURN(std::vector<Segment> segments,
                    plan_.Resolve(group, shard, offset, length));
   for (const Segment& seg : segments) {
-    if (!seg.src.valid() || !bytes_.holds(seg.src.group)) return false;
-    ASSIGN_OR_RETURN(
-        bool fits, append(bytes_.tensor(seg.src), seg.src_offset, seg.length));
-    if (!fits) return false;
+    if (!seg.src.valid() || !bytes_.holds(seg.src.group) ||
+        !append(bytes_.tensor(seg.src), seg.src_offset, seg.length)) {
+      return false;
+    }
   }
   return true;
 }

@@ -50,14 +50,14 @@ class StepView {
     int64_t length = 0;
   };
   // Appends to `runs` where bytes [offset, offset + length) of the shard lie
-  // in blobs this host stores, in order, each run verified and joined to
-  // the one before when it continues it: for a reader that lets the kernel
-  // copy them (BlobReader::OpenFd). Returns false, having appended some or
-  // none, when they lie in more than `max_runs` runs or some are not stored
-  // here as they are (zeros, another host's): then ReadTensor.
+  // in blobs this host stores, in order, each run joined to the one before
+  // when it continues it: for a reader that lets the kernel copy them
+  // (BlobReader::OpenFd), once it has verified them (BlobReader::Verify).
+  // Returns false, having appended some or none, when they lie in more than
+  // `max_runs` runs or some are not stored here as they are (zeros, another
+  // host's): then ReadTensor.
   absl::StatusOr<bool> StoredRuns(int group, int shard, int64_t offset,
                                   int64_t length, size_t max_runs,
-                                  UnchangedBlobs& unchanged,
                                   std::vector<BlobRun>& runs) const;
   // The same, but only as far as this host holds the bytes: reads the
   // longest such prefix and returns its length (what a peer serves).

@@ -13,7 +13,6 @@
 #include <fstream>
 #include <random>
 #include <set>
-#include <sstream>
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
@@ -46,30 +45,6 @@ absl::StatusOr<json> ParseRecord(const std::string& text,
 
 constexpr char kServedAt[] = "SERVED_AT";
 
-// Whether `path` is a mount point now (a line of /proc/self/mountinfo,
-// whose paths escape space, tab, newline and backslash in octal).
-bool IsMountPoint(const std::string& path) {
-  std::ifstream in("/proc/self/mountinfo");
-  std::string line;
-  while (std::getline(in, line)) {
-    std::istringstream fields(line);
-    std::string id, parent, device, root, target;
-    fields >> id >> parent >> device >> root >> target;
-    std::string unescaped;
-    for (size_t i = 0; i < target.size(); ++i) {
-      if (target[i] == '\\' && i + 3 < target.size()) {
-        unescaped +=
-            static_cast<char>(std::stoi(target.substr(i + 1, 3), nullptr, 8));
-        i += 3;
-      } else {
-        unescaped += target[i];
-      }
-    }
-    if (unescaped == path) return true;
-  }
-  return false;
-}
-
 // Whether the process holding the store is a mount server whose mount is
 // gone: `umount` returns when the kernel lets go of the mount point, a beat
 // before the server has exited and released the store.
@@ -77,7 +52,7 @@ bool HolderIsLeaving(const std::string& dir) {
   std::ifstream in(dir + "/" + kServedAt);
   std::string mountpoint;
   if (!std::getline(in, mountpoint) || mountpoint.empty()) return false;
-  return !IsMountPoint(mountpoint);
+  return MountedDevice(mountpoint).empty();
 }
 
 absl::StatusOr<UniqueFd> Lock(const std::string& dir, bool exclusive) {

@@ -8,7 +8,8 @@ import struct
 
 import numpy as np
 
-# safetensors dtype -> numpy dtype; BF16 has none in numpy (see load()).
+# safetensors dtype -> numpy dtype; BF16 has none in numpy: its bits as
+# uint16 (load_shard gives torch.bfloat16).
 NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8",
          "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4",
          "U16": "<u2", "U8": "u1", "BOOL": "?", "F8_E4M3": "u1", "F8_E5M2": "u1"}
