@@ -40,9 +40,10 @@ std::shared_ptr<PeerBytes::Block> PeerBytes::Find(int64_t step,
   auto block = std::make_shared<Block>();
   block->key = std::move(key);
   block->begin = index * options_.block_bytes;
-  block->bytes.resize(static_cast<size_t>(
-      std::min(block->begin + options_.block_bytes, shard_bytes) -
-      block->begin));
+  block->size =
+      std::min(block->begin + options_.block_bytes, shard_bytes) - block->begin;
+  block->bytes =
+      std::make_unique_for_overwrite<char[]>(static_cast<size_t>(block->size));
   blocks_.push_front(block);
   if (blocks_.size() > options_.cache_blocks) {
     blocks_.back()->evicted = true;
@@ -56,9 +57,9 @@ absl::Status PeerBytes::Await(const std::shared_ptr<Block>& block) const {
   if (!block->claimed) {
     block->claimed = true;
     lock.unlock();
-    absl::Status fetched = Fetch(
-        block->key.step, block->key.config, block->key.shard, block->begin,
-        static_cast<int64_t>(block->bytes.size()), block->bytes.data());
+    absl::Status fetched =
+        Fetch(block->key.step, block->key.config, block->key.shard,
+              block->begin, block->size, block->bytes.get());
     lock.lock();
     block->status = std::move(fetched);
     block->done = true;
@@ -122,7 +123,7 @@ absl::Status PeerBytes::ReadExact(int64_t step, const std::string& config,
         if (block->key != key) continue;
         if (block->done && block->status.ok()) {
           std::memcpy(out + (at - offset),
-                      block->bytes.data() + (at - block->begin), end - at);
+                      block->bytes.get() + (at - block->begin), end - at);
           cached = true;
           bytes_reused_.fetch_add(end - at);
         }
@@ -169,10 +170,8 @@ absl::Status PeerBytes::Read(int64_t step, const std::string& config,
     changed_.notify_all();
     RETURN_IF_ERROR(Await(block));
     const int64_t n =
-        std::min(block->begin + static_cast<int64_t>(block->bytes.size()),
-                 offset + length) -
-        at;
-    std::memcpy(out + (at - offset), block->bytes.data() + (at - block->begin),
+        std::min(block->begin + block->size, offset + length) - at;
+    std::memcpy(out + (at - offset), block->bytes.get() + (at - block->begin),
                 n);
     at += n;
   }

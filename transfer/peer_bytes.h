@@ -85,7 +85,10 @@ class PeerBytes : public RemoteBytes {
   struct Block {
     BlockKey key;
     int64_t begin = 0;  // key.index * block_bytes
-    std::string bytes;
+    // Left uninitialized until fetched: zeroing 4 MiB a block cost as
+    // much as copying it.
+    std::unique_ptr<char[]> bytes;
+    int64_t size = 0;
     bool queued = false;  // to be read ahead
     bool claimed = false;
     bool done = false;

@@ -21,6 +21,25 @@ namespace scalai {
 inline constexpr char kPeerTokenKey[] = "authorization";
 inline constexpr char kPeerHostKey[] = "scalai-host";
 
+// gRPC's defaults suit many small messages; peers stream megabytes. Both
+// ends let a stream run 16 MiB ahead of its reader (64 KiB by default,
+// grown only by probing), send frames of up to 1 MiB (16 KiB), and read
+// their sockets in pieces of up to 4 MiB. Measured with
+// tools/bench_cluster_transfer.py: a rank read from a peer through the
+// mount went from 147-150 to 181-192 MB/s.
+struct PeerChannelSetting {
+  const char* name;
+  int value;
+};
+inline constexpr PeerChannelSetting kPeerChannelSettings[] = {
+    {GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 16 << 20},
+    {GRPC_ARG_HTTP2_MAX_FRAME_SIZE, 1 << 20},
+    {GRPC_ARG_HTTP2_WRITE_BUFFER_SIZE, 4 << 20},
+    {GRPC_ARG_TCP_READ_CHUNK_SIZE, 1 << 20},
+    {GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10},
+    {GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20},
+};
+
 inline std::string BearerToken(absl::string_view token) {
   return absl::StrCat("Bearer ", token);
 }

@@ -30,7 +30,12 @@ PeerClient::PeerClient(ClusterHost peer, Options options)
     credentials = grpc::InsecureChannelCredentials();
   }
   channel_ = std::make_unique<Channel>();
-  channel_->channel = grpc::CreateChannel(peer_.address, credentials);
+  grpc::ChannelArguments args;
+  for (const PeerChannelSetting& setting : kPeerChannelSettings) {
+    args.SetInt(setting.name, setting.value);
+  }
+  channel_->channel =
+      grpc::CreateCustomChannel(peer_.address, credentials, args);
   channel_->stub = peer::Peer::NewStub(channel_->channel);
 }
 

@@ -410,6 +410,9 @@ absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(
   grpc::ServerBuilder builder;
   builder.AddListeningPort(s.options.address, credentials, &s.port);
   builder.RegisterService(s.service.get());
+  for (const PeerChannelSetting& setting : kPeerChannelSettings) {
+    builder.AddChannelArgument(setting.name, setting.value);
+  }
   s.server = builder.BuildAndStart();
   if (s.server == nullptr || s.port == 0) {
     return absl::UnavailableError(
