@@ -26,7 +26,7 @@ inline constexpr char kPeerHostKey[] = "scalai-host";
 // grown only by probing), send frames of up to 1 MiB (16 KiB), and read
 // their sockets in pieces of up to 4 MiB. Measured with
 // tools/bench_cluster_transfer.py: a rank read from a peer through the
-// mount went from 147-150 to 181-192 MB/s.
+// mount went from 147-150 to 181-207 MB/s.
 struct PeerChannelSetting {
   const char* name;
   int value;
