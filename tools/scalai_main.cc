@@ -1,5 +1,6 @@
 // The `scalai` command line: parses, runs one subcommand, and maps the result
 // to exit codes (0 success, 1 user error with one line on stderr, 2 usage).
+#include <malloc.h>
 #include <sys/resource.h>
 
 #include <cstdio>
@@ -17,6 +18,15 @@ int main(int argc, char** argv) {
     limit.rlim_cur = limit.rlim_max;
     setrlimit(RLIMIT_NOFILE, &limit);
   }
+  // Peers, the mount and materializations allocate and free buffers of
+  // megabytes all the time (socket reads, messages, blob windows). glibc's
+  // defaults return such memory to the kernel as soon as it is freed, so
+  // every new buffer's pages are faulted in again, and in a VM a fault costs
+  // more than copying the page: a peer's read through the mount ran at half
+  // the rate (tools/bench_cluster_transfer.py). Buffers up to 32 MiB come
+  // from the heap, and up to 64 MiB free at its top are kept for reuse.
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 64 << 20);
   CLI::App root(
       "Scalai: a job's training state as a parallelizable tensor collection, "
       "mounted as files that re-slice themselves when tp, pp or dp change.",
