@@ -134,6 +134,7 @@ absl::Status BlobReader::VerifyChunk(int64_t chunk) const {
   const int64_t begin = chunk * chunk_bytes_;
   const int64_t bytes = std::min(chunk_bytes_, record_.size - begin);
   uint64_t sum = 0;
+  map_.Populate(begin, bytes);
   if (!ReadMapped([&] { sum = HashChunk(map_.data() + begin, bytes); })) {
     return CutShort();
   }

@@ -79,6 +79,16 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
   return *this;
 }
 
+void MappedFile::Populate(int64_t offset, int64_t length) const {
+#ifdef MADV_POPULATE_READ
+  static const int64_t kPage = sysconf(_SC_PAGESIZE);
+  const int64_t begin = std::max<int64_t>(offset, 0) / kPage * kPage;
+  const int64_t end = std::min(offset + length, size_);
+  if (data_ == nullptr || end <= begin) return;
+  madvise(data_ + begin, end - begin, MADV_POPULATE_READ);
+#endif
+}
+
 MappedFile::~MappedFile() {
   if (data_ != nullptr) munmap(data_, size_);
 }
