@@ -11,7 +11,10 @@ the same two namespaces, and `cp` of a stage's bytes on the same disk (both
 "hosts" write to this machine's one disk). Then the network path alone: a
 read through h0's mount of a rank only h1 holds, against one-way iperf3.
 
-    sudo /usr/bin/python3 tools/bench_cluster_transfer.py build/tools/scalai [ROUNDS]"""
+    sudo /usr/bin/python3 tools/bench_cluster_transfer.py build/tools/scalai [ROUNDS]
+
+SCALAI_BENCH_DIR puts the stores elsewhere than /var/tmp (/dev/shm: no
+disk); SCALAI_BENCH_READS sets how many times the peer's rank is read."""
 import json
 import os
 import shutil
@@ -26,6 +29,7 @@ from netns import Etcd, Network, write_cluster_file  # noqa
 
 BIN = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build/tools/scalai")
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+READS = int(os.environ.get("SCALAI_BENCH_READS", "3"))  # of the peer's rank
 HOSTS = ["h0", "h1"]
 MODEL = os.environ.get("SCALAI_BENCH_MODEL",
                        "layers=8,hidden=1536,heads=16,groups=16,vocab=32000")
@@ -144,7 +148,7 @@ def main():
             remote_rank = 0 if final.endswith("h1+h0") else 1
             path = f"{mnts['h0']}/ckpt/latest/rank-{remote_rank:05d}/model.safetensors"
             views = []
-            for _ in range(3):
+            for _ in range(READS):
                 before = fetched(mnts)
                 start = time.perf_counter()
                 with open(path, "rb", buffering=0) as f:
