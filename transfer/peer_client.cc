@@ -2,8 +2,12 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <cstring>
+#include <iterator>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
@@ -11,10 +15,154 @@
 #include "transfer/peer_call.h"
 
 namespace scalai {
+namespace {
 
+// Where a streamed chunk's bytes go: parsed straight out of gRPC's buffers
+// into the caller's memory (peer::Chunk would first copy them into a string
+// of its own, one more pass over every byte fetched).
+struct ChunkInto {
+  char* out = nullptr;
+  int64_t room = 0;        // bytes that may be written at `out`
+  int64_t got = 0;         // bytes the chunk carried
+  bool overflow = false;   // it carried more than `room`
+  bool malformed = false;  // it was not a Chunk
+};
+
+// The bytes of a received message, read across gRPC's slices.
+class SliceCursor {
+ public:
+  explicit SliceCursor(std::vector<grpc::Slice> slices)
+      : slices_(std::move(slices)) {}
+  bool AtEnd() {
+    NextSlice();
+    return index_ == slices_.size();
+  }
+  bool Byte(uint8_t* b) {
+    NextSlice();
+    if (index_ == slices_.size()) return false;
+    *b = slices_[index_].begin()[at_++];
+    return true;
+  }
+  // A protobuf varint.
+  bool Varint(uint64_t* v) {
+    *v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      uint8_t b;
+      if (!Byte(&b)) return false;
+      *v |= static_cast<uint64_t>(b & 0x7f) << shift;
+      if ((b & 0x80) == 0) return true;
+    }
+    return false;
+  }
+  bool Skip(uint64_t n) { return Copy(nullptr, n); }
+  // The next `n` bytes into `out`, or past them when `out` is null.
+  bool Copy(char* out, uint64_t n) {
+    while (n > 0) {
+      NextSlice();
+      if (index_ == slices_.size()) return false;
+      const size_t take = std::min<uint64_t>(n, slices_[index_].size() - at_);
+      if (out != nullptr) {
+        std::memcpy(out, slices_[index_].begin() + at_, take);
+        out += take;
+      }
+      at_ += take;
+      n -= take;
+    }
+    return true;
+  }
+
+ private:
+  void NextSlice() {
+    while (index_ < slices_.size() && at_ == slices_[index_].size()) {
+      ++index_;
+      at_ = 0;
+    }
+  }
+  std::vector<grpc::Slice> slices_;
+  size_t index_ = 0;
+  size_t at_ = 0;
+};
+
+}  // namespace
+}  // namespace scalai
+
+// peer.proto's Chunk on the wire: its bytes as field 1, length-delimited
+// (absent when empty); fields it does not know (a newer peer's) are
+// skipped, as protobuf would.
+template <>
+class grpc::SerializationTraits<scalai::ChunkInto, void> {
+ public:
+  static grpc::Status Deserialize(grpc::ByteBuffer* buffer,
+                                  scalai::ChunkInto* chunk) {
+    std::vector<grpc::Slice> slices;
+    grpc::Status dumped = buffer->Dump(&slices);
+    buffer->Clear();
+    if (!dumped.ok()) return dumped;
+    scalai::SliceCursor in(std::move(slices));
+    chunk->got = 0;
+    bool seen = false;
+    while (!in.AtEnd()) {
+      uint64_t key, n;
+      if (!in.Varint(&key)) return Malformed(chunk);
+      switch (key & 7) {  // the wire type
+        case 0:
+          if (!in.Varint(&n)) return Malformed(chunk);
+          break;
+        case 1:
+          if (!in.Skip(8)) return Malformed(chunk);
+          break;
+        case 5:
+          if (!in.Skip(4)) return Malformed(chunk);
+          break;
+        case 2:
+          if (!in.Varint(&n)) return Malformed(chunk);
+          if ((key >> 3) != 1) {
+            if (!in.Skip(n)) return Malformed(chunk);
+            break;
+          }
+          // A serializer writes the field once.
+          if (seen) return Malformed(chunk);
+          seen = true;
+          if (n > static_cast<uint64_t>(chunk->room)) {
+            chunk->overflow = true;
+            return grpc::Status(grpc::StatusCode::INTERNAL, "chunk too long");
+          }
+          if (!in.Copy(chunk->out, n)) return Malformed(chunk);
+          chunk->got = static_cast<int64_t>(n);
+          break;
+        default:
+          return Malformed(chunk);
+      }
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  static grpc::Status Malformed(scalai::ChunkInto* chunk) {
+    chunk->malformed = true;
+    return grpc::Status(grpc::StatusCode::INTERNAL, "not a Chunk");
+  }
+};
+
+namespace scalai {
+
+namespace {
+// The streamed calls, by their index in Channel::methods.
+enum StreamedMethod { kReadTensor, kReadFile, kReadExtra, kReadPendingShard };
+constexpr const char* kStreamedMethods[] = {"ReadTensor", "ReadFile",
+                                            "ReadExtra", "ReadPendingShard"};
+}  // namespace
+
+// Hello goes through the generated stub. The streamed calls are made the
+// way the stub makes them (ClientReaderFactory, a gRPC header the generated
+// code itself uses), but with replies read as ChunkInto.
 struct PeerClient::Channel {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<peer::Peer::Stub> stub;
+  // "/scalai.peer.Peer/ReadTensor" and so on; the names outlive the
+  // methods, which point at them.
+  std::string names[std::size(kStreamedMethods)];
+  std::optional<grpc::internal::RpcMethod> methods[std::size(kStreamedMethods)];
 };
 
 PeerClient::PeerClient(ClusterHost peer, Options options)
@@ -37,6 +185,13 @@ PeerClient::PeerClient(ClusterHost peer, Options options)
   channel_->channel =
       grpc::CreateCustomChannel(peer_.address, credentials, args);
   channel_->stub = peer::Peer::NewStub(channel_->channel);
+  for (size_t i = 0; i < std::size(kStreamedMethods); ++i) {
+    channel_->names[i] = absl::StrCat("/", peer::Peer::service_full_name(), "/",
+                                      kStreamedMethods[i]);
+    channel_->methods[i].emplace(channel_->names[i].c_str(),
+                                 grpc::internal::RpcMethod::SERVER_STREAMING,
+                                 channel_->channel);
+  }
 }
 
 PeerClient::~PeerClient() = default;
@@ -50,32 +205,36 @@ void Prepare(grpc::ClientContext& ctx, const std::string& host,
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
 }
 
-// Copies a call's stream of chunks into `out`, at most `length` bytes (a
+// Reads a call's stream of chunks into `out`, at most `length` bytes (a
 // peer that sends more is not trusted), counting them into `fetched`;
 // returns how many came.
 absl::StatusOr<int64_t> Drain(grpc::ClientContext& ctx,
-                              grpc::ClientReader<peer::Chunk>& reader,
+                              grpc::ClientReader<ChunkInto>& reader,
                               int64_t length, char* out,
                               std::atomic<int64_t>& fetched,
                               const std::string& where) {
-  peer::Chunk chunk;
   int64_t got = 0;
-  bool overflow = false;
-  while (reader.Read(&chunk)) {
-    const int64_t n = static_cast<int64_t>(chunk.data().size());
-    if (n > length - got) {
-      overflow = true;
-      ctx.TryCancel();
-      break;
-    }
-    std::memcpy(out + got, chunk.data().data(), static_cast<size_t>(n));
-    got += n;
-    fetched.fetch_add(n);
+  ChunkInto chunk;
+  bool read = true;
+  while (read) {
+    chunk.out = out + got;
+    chunk.room = length - got;
+    read = reader.Read(&chunk);
+    if (!read) break;
+    got += chunk.got;
+    fetched.fetch_add(chunk.got);
   }
+  // Read fails at the stream's end, or on a chunk it could not take; then
+  // the call would go on until cancelled.
+  if (chunk.overflow || chunk.malformed) ctx.TryCancel();
   grpc::Status finished = reader.Finish();
-  if (overflow) {
+  if (chunk.overflow) {
     return absl::DataLossError(
         absl::StrCat(where, ": sent more than the ", length, " bytes asked"));
+  }
+  if (chunk.malformed) {
+    return absl::DataLossError(
+        absl::StrCat(where, ": sent a message that is not a chunk of bytes"));
   }
   RETURN_IF_ERROR(FromGrpc(finished, where));
   return got;
@@ -122,9 +281,7 @@ absl::StatusOr<int64_t> PeerClient::ReadTensor(const TensorRef& tensor,
   request.set_length(length);
   return Stream(absl::StrCat("step ", tensor.step, " under ", tensor.config,
                              ", group ", tensor.group, " shard ", tensor.shard),
-                length, out, [&](grpc::ClientContext& ctx) {
-                  return channel_->stub->ReadTensor(&ctx, request);
-                });
+                request, kReadTensor, length, out);
 }
 
 absl::StatusOr<int64_t> PeerClient::ReadFile(const std::string& path,
@@ -134,9 +291,7 @@ absl::StatusOr<int64_t> PeerClient::ReadFile(const std::string& path,
   request.set_path(path);
   request.set_offset(offset);
   request.set_length(length);
-  return Stream(path, length, out, [&](grpc::ClientContext& ctx) {
-    return channel_->stub->ReadFile(&ctx, request);
-  });
+  return Stream(path, request, kReadFile, length, out);
 }
 
 absl::StatusOr<int64_t> PeerClient::ReadExtra(int64_t step, int rank,
@@ -150,9 +305,7 @@ absl::StatusOr<int64_t> PeerClient::ReadExtra(int64_t step, int rank,
   request.set_offset(offset);
   request.set_length(length);
   return Stream(absl::StrCat("step ", step, " rank ", rank, " extra/", path),
-                length, out, [&](grpc::ClientContext& ctx) {
-                  return channel_->stub->ReadExtra(&ctx, request);
-                });
+                request, kReadExtra, length, out);
 }
 
 absl::StatusOr<int64_t> PeerClient::ReadPendingShard(int64_t step, int group,
@@ -166,20 +319,20 @@ absl::StatusOr<int64_t> PeerClient::ReadPendingShard(int64_t step, int group,
   request.set_offset(offset);
   request.set_length(length);
   return Stream(absl::StrCat("step ", step, " group ", group, " blob ", blob),
-                length, out, [&](grpc::ClientContext& ctx) {
-                  return channel_->stub->ReadPendingShard(&ctx, request);
-                });
+                request, kReadPendingShard, length, out);
 }
 
-template <typename Start>
+template <typename Request>
 absl::StatusOr<int64_t> PeerClient::Stream(const std::string& what,
-                                           int64_t length, char* out,
-                                           Start start) {
+                                           const Request& request, int method,
+                                           int64_t length, char* out) {
   const std::string where =
       absl::StrCat("peer ", peer_.name, " (", peer_.address, "), ", what);
   grpc::ClientContext ctx;
   Prepare(ctx, options_.host, options_.token, options_.deadline);
-  std::unique_ptr<grpc::ClientReader<peer::Chunk>> reader = start(ctx);
+  std::unique_ptr<grpc::ClientReader<ChunkInto>> reader(
+      grpc::internal::ClientReaderFactory<ChunkInto>::Create(
+          channel_->channel.get(), *channel_->methods[method], &ctx, request));
   absl::StatusOr<int64_t> got =
       Drain(ctx, *reader, length, out, bytes_fetched_, where);
   if (!got.ok()) return Count(got.status());

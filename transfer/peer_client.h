@@ -80,11 +80,12 @@ class PeerClient {
  private:
   struct Channel;
   absl::Status Count(absl::Status s);
-  // One streamed call, begun by `start(context)`, into `out`; errors name
+  // One streamed call (`method` indexes Channel's) into `out`; errors name
   // the peer and `what`.
-  template <typename Start>
-  absl::StatusOr<int64_t> Stream(const std::string& what, int64_t length,
-                                 char* out, Start start);
+  template <typename Request>
+  absl::StatusOr<int64_t> Stream(const std::string& what,
+                                 const Request& request, int method,
+                                 int64_t length, char* out);
 
   const ClusterHost peer_;
   const Options options_;

@@ -3,6 +3,7 @@
 // shards synth cuts directly; a call without the job's token, or over
 // plaintext to a TLS host, gets nothing and is counted; a peer that is not
 // there costs a bounded wait and is marked unreachable.
+#include <grpcpp/grpcpp.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "transfer/fetch_ahead.h"
 #include "transfer/fsck.h"
 #include "transfer/materializer.h"
+#include "transfer/peer.grpc.pb.h"
 #include "transfer/peer_bytes.h"
 #include "transfer/peer_client.h"
 #include "transfer/peer_server.h"
@@ -319,6 +321,79 @@ TEST_F(PeerTest, FilesOfTheMountAreReadToTheirEndOrRefused) {
   PeerClient to_bare = Client(*bare);
   EXPECT_EQ(to_bare.ReadFile("ckpt/f", 0, 10, got.data()).status().code(),
             absl::StatusCode::kUnimplemented);
+}
+
+// A peer that answers every ReadTensor with the same chunks, whatever was
+// asked: what a newer peer, or a broken one, may send.
+class ScriptedPeer final : public peer::Peer::Service {
+ public:
+  explicit ScriptedPeer(std::vector<peer::Chunk> reply)
+      : reply_(std::move(reply)) {}
+  grpc::Status ReadTensor(grpc::ServerContext*, const peer::ReadTensorRequest*,
+                          grpc::ServerWriter<peer::Chunk>* writer) override {
+    for (const peer::Chunk& chunk : reply_) {
+      if (!writer->Write(chunk)) break;
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  const std::vector<peer::Chunk> reply_;
+};
+
+TEST(PeerClientTest, ChunksLandInTheCallersBufferAndOverlongOnesAreRefused) {
+  // A chunk with fields this build does not know (a newer peer's), an
+  // empty one, and one of megabytes that crosses many of gRPC's slices.
+  peer::Chunk small;
+  small.set_data("abcd");
+  google::protobuf::UnknownFieldSet* unknown =
+      small.GetReflection()->MutableUnknownFields(&small);
+  unknown->AddVarint(7, 300);
+  unknown->AddLengthDelimited(9, "a later field");
+  unknown->AddFixed32(11, 5);
+  unknown->AddFixed64(12, 6);
+  peer::Chunk large;
+  std::string bytes(3 << 20, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 7);
+  large.set_data(bytes);
+  ScriptedPeer service({small, peer::Chunk(), large});
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  PeerClient::Options o;
+  o.host = "h1";
+  o.token = kToken;
+  o.deadline = absl::Seconds(10);
+  PeerClient client({"h0", absl::StrCat("127.0.0.1:", port)}, o);
+
+  const int64_t total = 4 + static_cast<int64_t>(bytes.size());
+  std::string out(total + 8, 'z');
+  absl::StatusOr<int64_t> got =
+      client.ReadTensor({1, "tp=1,pp=1,dp=1", 0, 0}, 0, total, out.data());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, total);
+  EXPECT_EQ(out.substr(0, 4), "abcd");
+  EXPECT_TRUE(out.substr(4, bytes.size()) == bytes);
+  EXPECT_EQ(out.substr(total), std::string(8, 'z'));  // nothing past it
+  EXPECT_EQ(client.bytes_fetched(), total);
+
+  // Asked for one byte fewer than it sends: refused, and nothing written
+  // past what was asked.
+  std::string short_out(total, 'z');
+  got = client.ReadTensor({1, "tp=1,pp=1,dp=1", 0, 0}, 0, total - 1,
+                          short_out.data());
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(got.status().message().find("sent more than the"),
+            std::string::npos)
+      << got.status();
+  EXPECT_EQ(short_out.back(), 'z');
+  EXPECT_EQ(client.errors(), 1);
+  server->Shutdown();
 }
 
 TEST_F(PeerTest, CallsWithoutTheTokenAreRefusedCountedAndServedNothing) {
