@@ -26,8 +26,9 @@ int main(int argc, char** argv) {
   // to 64 MiB free at its top are kept, and all threads share two arenas:
   // glibc unmaps a per-thread arena's heap whenever it empties, which with
   // gRPC's many threads is all the time. Measured with
-  // tools/bench_cluster_transfer.py (tmpfs stores): materialization across
-  // two hosts went from 250 to 640 MB/s.
+  // tools/bench_cluster_transfer.py, same runs: materialization across two
+  // hosts went from 183-185 to 404-454 MB/s, a rank read from a peer through
+  // the mount from 161-181 to 573-640 MB/s (docs/benchmarks.md).
   mallopt(M_ARENA_MAX, 2);
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 64 << 20);
