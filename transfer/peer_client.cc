@@ -215,12 +215,10 @@ absl::StatusOr<int64_t> Drain(grpc::ClientContext& ctx,
                               const std::string& where) {
   int64_t got = 0;
   ChunkInto chunk;
-  bool read = true;
-  while (read) {
+  for (;;) {
     chunk.out = out + got;
     chunk.room = length - got;
-    read = reader.Read(&chunk);
-    if (!read) break;
+    if (!reader.Read(&chunk)) break;
     got += chunk.got;
     fetched.fetch_add(chunk.got);
   }
