@@ -13,6 +13,10 @@ read through h0's mount of a rank only h1 holds, against one-way iperf3.
 
     sudo /usr/bin/python3 tools/bench_cluster_transfer.py build/tools/scalai [ROUNDS]
 
+It also prints the CPU time both mounts used per GB moved, read from
+/proc/PID/stat: steadier than rates on a shared machine, the figure to
+compare two builds by.
+
 SCALAI_BENCH_DIR puts the stores elsewhere than /var/tmp (/dev/shm: no
 disk); SCALAI_BENCH_READS sets how many times the peer's rank is read."""
 import json
@@ -36,6 +40,26 @@ MODEL = os.environ.get("SCALAI_BENCH_MODEL",
 VOCAB = dict(kv.split("=") for kv in MODEL.split(","))["vocab"]
 SPLIT = ["tp=1,pp=2,dp=1,hosts=h0+h1", "tp=1,pp=2,dp=1,hosts=h1+h0"]
 MB = 1e6
+
+
+def mount_pid(mnt):
+    """The process serving mountpoint `mnt` (a `scalai mount` that forked)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"mount" in argv and mnt.encode() in argv:
+            return int(pid)
+    raise SystemExit(f"no process serves {mnt}")
+
+
+def cpu_seconds(pid):
+    """User and system CPU time the process has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def status(mnt):
@@ -129,16 +153,20 @@ def main():
             subprocess.run(["sync", f"{tmp}/copy"], check=True)
             disk = size / (time.perf_counter() - start)
             os.unlink(f"{tmp}/copy")
-            rates, moved = [], 0
+            pids = {h: mount_pid(mnts[h]) for h in HOSTS}
+            rates, moved, swap_cpu, swap_bytes = [], 0, 0.0, 0
             for i in range(ROUNDS):
                 config = SPLIT[(i + 1) % 2]
                 before = fetched(mnts)
+                cpu_before = sum(cpu_seconds(p) for p in pids.values())
                 start = time.perf_counter()
                 write_config(mnts[HOSTS[i % 2]], config)
                 wait(mnts, config)
                 took = time.perf_counter() - start
                 moved = fetched(mnts) - before
                 rates.append(moved / took)
+                swap_cpu += sum(cpu_seconds(p) for p in pids.values()) - cpu_before
+                swap_bytes += moved
                 wait(mnts, config, released=True)
             rate = statistics.median(rates)
             # The network path alone: h0 reads, through its mount, the rank
@@ -147,7 +175,8 @@ def main():
             final = SPLIT[ROUNDS % 2]
             remote_rank = 0 if final.endswith("h1+h0") else 1
             path = f"{mnts['h0']}/ckpt/latest/rank-{remote_rank:05d}/model.safetensors"
-            views = []
+            views, read_bytes = [], 0
+            read_cpu = {h: cpu_seconds(p) for h, p in pids.items()}
             for _ in range(READS):
                 before = fetched(mnts)
                 start = time.perf_counter()
@@ -158,6 +187,8 @@ def main():
                     while f.read(4 << 20):
                         pass
                 views.append((fetched(mnts) - before) / (time.perf_counter() - start))
+                read_bytes += fetched(mnts) - before
+            read_cpu = {h: cpu_seconds(p) - read_cpu[h] for h, p in pids.items()}
             view = statistics.median(views)
             server = net.spawn("h1", ["iperf3", "-s", "-1"], stdout=subprocess.DEVNULL)
             time.sleep(0.5)
@@ -174,6 +205,11 @@ def main():
             print(f"read of a rank held by the peer: {view / MB:7.0f} MB/s through the mount "
                   f"(median; {', '.join(f'{v / MB:.0f}' for v in views)}); "
                   f"iperf3 one way {one_way / MB:.0f} MB/s -> ratio {view / one_way:.2f}")
+            # CPU per byte moved varies less than rates on a shared machine:
+            # the figure to compare two builds by.
+            print(f"CPU of both mounts per GB moved: swaps {swap_cpu / (swap_bytes / 1e9):.2f} s; "
+                  f"reads: serving host {read_cpu['h1'] / (read_bytes / 1e9):.2f} s, "
+                  f"reading host {read_cpu['h0'] / (read_bytes / 1e9):.2f} s")
             print(f"cp + sync of a {size / MB:.0f} MB blob:   {disk / MB:7.0f} MB/s "
                   f"(each host writes what it fetches) -> ratio {rate / 2 / disk:.2f} per host")
         finally:

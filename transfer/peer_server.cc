@@ -35,7 +35,53 @@ std::string Metadata(const grpc::ServerContext& ctx, const char* key,
   return std::string(it->second.data(), it->second.size());
 }
 
+// A chunk to send, whose bytes gRPC takes over rather than copies: a
+// peer::Chunk would be serialized by copying its string into a buffer of
+// gRPC's, one more pass over every byte served. Each chunk gets a buffer of
+// its own, freed once gRPC has sent it.
+struct ChunkFrom {
+  explicit ChunkFrom(int64_t room)
+      : bytes(std::make_unique_for_overwrite<char[]>(room)) {}
+  char* data() { return bytes.get(); }
+  // Serialize moves the buffer into gRPC's message, hence mutable.
+  mutable std::unique_ptr<char[]> bytes;
+  int64_t size = 0;  // bytes of it to send
+};
+
 }  // namespace
+}  // namespace scalai
+
+// peer.proto's Chunk on the wire: field 1, length-delimited, the bytes in a
+// slice that owns the chunk's buffer (the key and length in a small one).
+template <>
+class grpc::SerializationTraits<scalai::ChunkFrom, void> {
+ public:
+  static grpc::Status Serialize(const scalai::ChunkFrom& chunk,
+                                grpc::ByteBuffer* buffer, bool* own_buffer) {
+    *own_buffer = true;
+    if (chunk.size == 0) {  // an empty Chunk is no bytes at all
+      const grpc::Slice none;
+      grpc::ByteBuffer empty(&none, 1);
+      buffer->Swap(&empty);
+      return grpc::Status::OK;
+    }
+    uint8_t head[11] = {0x0a};  // field 1, wire type 2; then the varint
+    size_t used = 1;
+    for (uint64_t n = static_cast<uint64_t>(chunk.size);; n >>= 7) {
+      head[used++] = static_cast<uint8_t>((n & 0x7f) | (n >= 0x80 ? 0x80 : 0));
+      if (n < 0x80) break;
+    }
+    const grpc::Slice slices[] = {
+        grpc::Slice(head, used),
+        grpc::Slice(chunk.bytes.release(), static_cast<size_t>(chunk.size),
+                    [](void* p) { delete[] static_cast<char*>(p); })};
+    grpc::ByteBuffer message(slices, std::size(slices));
+    buffer->Swap(&message);
+    return grpc::Status::OK;
+  }
+};
+
+namespace scalai {
 
 struct PeerServer::State {
   const Store* store = nullptr;
@@ -206,12 +252,30 @@ struct PeerServer::State {
   }
 };
 
-class PeerServer::Service final : public peer::Peer::Service {
+// peer.proto's service, registered by hand rather than through the
+// generated base class so that the streamed calls write ChunkFrom: the
+// handlers are gRPC's own, the ones the generated code registers.
+class PeerServer::Service final : public grpc::Service {
  public:
-  explicit Service(State& state) : s_(state) {}
+  explicit Service(State& state) : s_(state) {
+    AddStreamed("ReadTensor", &Service::ReadTensor);
+    AddStreamed("ReadFile", &Service::ReadFile);
+    AddStreamed("ReadExtra", &Service::ReadExtra);
+    AddStreamed("ReadPendingShard", &Service::ReadPendingShard);
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        Name("Hello"), grpc::internal::RpcMethod::NORMAL_RPC,
+        new grpc::internal::RpcMethodHandler<Service, peer::HelloRequest,
+                                             peer::HelloResponse>(
+            [](Service* service, grpc::ServerContext* ctx,
+               const peer::HelloRequest* request,
+               peer::HelloResponse* response) {
+              return service->Hello(ctx, request, response);
+            },
+            this)));
+  }
 
   grpc::Status Hello(grpc::ServerContext* ctx, const peer::HelloRequest*,
-                     peer::HelloResponse* response) override {
+                     peer::HelloResponse* response) {
     std::string caller;
     if (grpc::Status admitted = s_.Admit(*ctx, &caller); !admitted.ok()) {
       return admitted;
@@ -223,7 +287,7 @@ class PeerServer::Service final : public peer::Peer::Service {
 
   grpc::Status ReadTensor(grpc::ServerContext* ctx,
                           const peer::ReadTensorRequest* request,
-                          grpc::ServerWriter<peer::Chunk>* writer) override {
+                          grpc::ServerWriter<ChunkFrom>* writer) {
     std::string caller;
     if (grpc::Status admitted = s_.Admit(*ctx, &caller); !admitted.ok()) {
       return admitted;
@@ -249,20 +313,18 @@ class PeerServer::Service final : public peer::Peer::Service {
     // The longest prefix of the range this host holds, in chunks: each
     // chunk is read from whichever of its views holds the next bytes,
     // straight into the message.
-    peer::Chunk chunk;
-    std::string& buffer = *chunk.mutable_data();
     for (int64_t at = 0; at < length;) {
       if (ctx->IsCancelled()) {
         return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
       }
       const int64_t n = std::min(kChunkBytes, length - at);
-      buffer.resize(static_cast<size_t>(n));
+      ChunkFrom chunk(n);
       int64_t held = 0;
       for (bool more = true; more && held < n;) {
         more = false;
         for (const std::shared_ptr<const StepView>& view : *views) {
           absl::StatusOr<int64_t> read = view->ReadHeldPrefix(
-              group, shard, offset + at + held, n - held, buffer.data() + held);
+              group, shard, offset + at + held, n - held, chunk.data() + held);
           if (!read.ok()) return s_.Fail(read.status());
           held += *read;
           more |= *read > 0;
@@ -270,7 +332,7 @@ class PeerServer::Service final : public peer::Peer::Service {
         }
       }
       if (held > 0) {
-        buffer.resize(static_cast<size_t>(held));
+        chunk.size = held;
         if (!writer->Write(chunk)) {
           return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
         }
@@ -285,7 +347,7 @@ class PeerServer::Service final : public peer::Peer::Service {
 
   grpc::Status ReadExtra(grpc::ServerContext* ctx,
                          const peer::ReadExtraRequest* request,
-                         grpc::ServerWriter<peer::Chunk>* writer) override {
+                         grpc::ServerWriter<ChunkFrom>* writer) {
     std::string caller;
     if (grpc::Status admitted = s_.Admit(*ctx, &caller); !admitted.ok()) {
       return admitted;
@@ -297,9 +359,9 @@ class PeerServer::Service final : public peer::Peer::Service {
                       writer);
   }
 
-  grpc::Status ReadPendingShard(
-      grpc::ServerContext* ctx, const peer::ReadPendingShardRequest* request,
-      grpc::ServerWriter<peer::Chunk>* writer) override {
+  grpc::Status ReadPendingShard(grpc::ServerContext* ctx,
+                                const peer::ReadPendingShardRequest* request,
+                                grpc::ServerWriter<ChunkFrom>* writer) {
     std::string caller;
     if (grpc::Status admitted = s_.Admit(*ctx, &caller); !admitted.ok()) {
       return admitted;
@@ -316,7 +378,7 @@ class PeerServer::Service final : public peer::Peer::Service {
   grpc::Status StreamBlob(grpc::ServerContext* ctx, const std::string& caller,
                           const std::string& blob, int64_t offset,
                           int64_t asked,
-                          grpc::ServerWriter<peer::Chunk>* writer) {
+                          grpc::ServerWriter<ChunkFrom>* writer) {
     std::shared_ptr<const BlobReader> reader =
         BlobReader::Open(*s_.store, blob);
     const int64_t size = reader->size();
@@ -325,18 +387,17 @@ class PeerServer::Service final : public peer::Peer::Service {
           "bytes [", offset, ", +", asked, ") of a ", size, "-byte blob")));
     }
     const int64_t length = std::min(asked, size - offset);
-    peer::Chunk chunk;
-    std::string& buffer = *chunk.mutable_data();
     for (int64_t at = 0; at < length; at += kChunkBytes) {
       if (ctx->IsCancelled()) {
         return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
       }
       const int64_t n = std::min(kChunkBytes, length - at);
-      buffer.resize(static_cast<size_t>(n));
-      if (absl::Status read = reader->Read(buffer.data(), n, offset + at);
+      ChunkFrom chunk(n);
+      if (absl::Status read = reader->Read(chunk.data(), n, offset + at);
           !read.ok()) {
         return s_.Fail(read);
       }
+      chunk.size = n;
       if (!writer->Write(chunk)) {
         return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
       }
@@ -348,7 +409,7 @@ class PeerServer::Service final : public peer::Peer::Service {
 
   grpc::Status ReadFile(grpc::ServerContext* ctx,
                         const peer::ReadFileRequest* request,
-                        grpc::ServerWriter<peer::Chunk>* writer) override {
+                        grpc::ServerWriter<ChunkFrom>* writer) {
     std::string caller;
     if (grpc::Status admitted = s_.Admit(*ctx, &caller); !admitted.ok()) {
       return admitted;
@@ -360,20 +421,17 @@ class PeerServer::Service final : public peer::Peer::Service {
     if (request->offset() < 0 || request->length() < 0) {
       return s_.Fail(absl::OutOfRangeError("a negative offset or length"));
     }
-    std::string buffer;
-    peer::Chunk chunk;
     for (int64_t at = 0; at < request->length(); at += kChunkBytes) {
       if (ctx->IsCancelled()) {
         return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
       }
       const int64_t n = std::min(kChunkBytes, request->length() - at);
-      buffer.resize(static_cast<size_t>(n));
+      ChunkFrom chunk(n);
       absl::StatusOr<int64_t> got = s_.options.read_file(
-          request->path(), request->offset() + at, n, buffer.data());
+          request->path(), request->offset() + at, n, chunk.data());
       if (!got.ok()) return s_.Fail(got.status());
-      buffer.resize(static_cast<size_t>(*got));
       if (*got > 0) {
-        chunk.set_data(buffer);
+        chunk.size = *got;
         if (!writer->Write(chunk)) {
           return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
         }
@@ -386,7 +444,32 @@ class PeerServer::Service final : public peer::Peer::Service {
   }
 
  private:
+  template <class Request>
+  void AddStreamed(const char* method, grpc::Status (Service::*handler)(
+                                           grpc::ServerContext*, const Request*,
+                                           grpc::ServerWriter<ChunkFrom>*)) {
+    AddMethod(new grpc::internal::RpcServiceMethod(
+        Name(method), grpc::internal::RpcMethod::SERVER_STREAMING,
+        new grpc::internal::ServerStreamingHandler<Service, Request, ChunkFrom>(
+            [handler](Service* service, grpc::ServerContext* ctx,
+                      const Request* request,
+                      grpc::ServerWriter<ChunkFrom>* writer) {
+              return (service->*handler)(ctx, request, writer);
+            },
+            this)));
+  }
+
+  // "/scalai.peer.Peer/ReadTensor" and so on, kept for as long as the
+  // methods that point at them.
+  const char* Name(const char* method) {
+    return names_
+        .emplace_back(
+            absl::StrCat("/", peer::Peer::service_full_name(), "/", method))
+        .c_str();
+  }
+
   State& s_;
+  std::deque<std::string> names_;  // grows without moving what it holds
 };
 
 absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(

@@ -21,6 +21,7 @@
 #include "transfer/materializer.h"
 #include "transfer/peer.grpc.pb.h"
 #include "transfer/peer_bytes.h"
+#include "transfer/peer_call.h"
 #include "transfer/peer_client.h"
 #include "transfer/peer_server.h"
 #include "transfer/step_writer.h"
@@ -321,6 +322,50 @@ TEST_F(PeerTest, FilesOfTheMountAreReadToTheirEndOrRefused) {
   PeerClient to_bare = Client(*bare);
   EXPECT_EQ(to_bare.ReadFile("ckpt/f", 0, 10, got.data()).status().code(),
             absl::StatusCode::kUnimplemented);
+}
+
+// The server writes its chunks itself (not through protobuf): what it sends
+// must parse as peer.proto's Chunk for any client, here the generated stub,
+// whatever length prefix a chunk's size takes (1, 2 or 3 bytes).
+TEST_F(PeerTest, ChunksSentParseAsProtobufChunks) {
+  std::string file((1 << 20) + 200000, '\0');
+  for (size_t i = 0; i < file.size(); ++i) file[i] = static_cast<char>(i * 13);
+  std::unique_ptr<PeerServer> server =
+      StartServer(std::nullopt,
+                  [&](const std::string&, int64_t offset, int64_t length,
+                      char* out) -> absl::StatusOr<int64_t> {
+                    const int64_t n = std::max<int64_t>(
+                        0, std::min<int64_t>(length, file.size() - offset));
+                    std::memcpy(out, file.data() + offset, n);
+                    return n;
+                  });
+  ASSERT_NE(server, nullptr);
+  std::unique_ptr<peer::Peer::Stub> stub = peer::Peer::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()),
+                          grpc::InsecureChannelCredentials()));
+  for (int64_t length : {int64_t{1}, int64_t{127}, int64_t{128}, int64_t{16383},
+                         int64_t{16384}, static_cast<int64_t>(file.size())}) {
+    SCOPED_TRACE(length);
+    grpc::ClientContext ctx;
+    ctx.AddMetadata(kPeerTokenKey, BearerToken(kToken));
+    peer::ReadFileRequest request;
+    request.set_path("ckpt/f");
+    request.set_offset(3);
+    request.set_length(length);
+    std::unique_ptr<grpc::ClientReader<peer::Chunk>> reader =
+        stub->ReadFile(&ctx, request);
+    std::string got;
+    std::vector<size_t> sizes;
+    for (peer::Chunk chunk; reader->Read(&chunk);) {
+      sizes.push_back(chunk.data().size());
+      got += chunk.data();
+    }
+    grpc::Status finished = reader->Finish();
+    ASSERT_TRUE(finished.ok()) << finished.error_message();
+    const int64_t expected = std::min<int64_t>(length, file.size() - 3);
+    EXPECT_TRUE(got == file.substr(3, expected));
+    EXPECT_EQ(sizes.front(), std::min<int64_t>(expected, 1 << 20));
+  }
 }
 
 // A peer that answers every ReadTensor with the same chunks, whatever was
