@@ -312,7 +312,7 @@ class PeerServer::Service final : public grpc::Service {
     }
     // The longest prefix of the range this host holds, in chunks: each
     // chunk is read from whichever of its views holds the next bytes,
-    // straight into the message.
+    // straight into the buffer gRPC sends.
     for (int64_t at = 0; at < length;) {
       if (ctx->IsCancelled()) {
         return grpc::Status(grpc::StatusCode::CANCELLED, "caller went away");
