@@ -29,7 +29,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from netns import Etcd, Network, write_cluster_file  # noqa
+from netns import Etcd, Network, server_pid, write_cluster_file  # noqa
 
 BIN = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "build/tools/scalai")
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
@@ -40,19 +40,6 @@ MODEL = os.environ.get("SCALAI_BENCH_MODEL",
 VOCAB = dict(kv.split("=") for kv in MODEL.split(","))["vocab"]
 SPLIT = ["tp=1,pp=2,dp=1,hosts=h0+h1", "tp=1,pp=2,dp=1,hosts=h1+h0"]
 MB = 1e6
-
-
-def mount_pid(mnt):
-    """The process serving mountpoint `mnt` (a `scalai mount` that forked)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"mount" in argv and mnt.encode() in argv:
-            return int(pid)
-    raise SystemExit(f"no process serves {mnt}")
 
 
 def cpu_seconds(pid):
@@ -153,7 +140,7 @@ def main():
             subprocess.run(["sync", f"{tmp}/copy"], check=True)
             disk = size / (time.perf_counter() - start)
             os.unlink(f"{tmp}/copy")
-            pids = {h: mount_pid(mnts[h]) for h in HOSTS}
+            pids = {h: server_pid(mnts[h]) for h in HOSTS}
             rates, moved, swap_cpu, swap_bytes = [], 0, 0.0, 0
             for i in range(ROUNDS):
                 config = SPLIT[(i + 1) % 2]

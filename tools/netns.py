@@ -92,6 +92,20 @@ class Network:
         self.made = []
 
 
+def server_pid(path):
+    """The pid of the `scalai mount` process given `path` (its store or its
+    mountpoint)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"mount" in argv and path.encode() in argv:
+            return int(pid)
+    raise AssertionError(f"no mount process of {path}")
+
+
 def require_netns():
     """Exits 77 with the reason where network namespaces cannot be made."""
     probe = f"scprobe{os.getpid()}"

@@ -35,8 +35,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
 sys.path.insert(0, os.path.join(HERE, "..", "integration"))
 import scenario  # noqa
-from harness import server_pid  # noqa
-from netns import Etcd, Network, require_netns, write_cluster_file  # noqa
+from netns import Etcd, Network, require_netns, server_pid, write_cluster_file  # noqa
 
 HOSTS = ["h0", "h1", "h2", "h3"]
 FIRST = ("tp=2,pp=2,dp=1,hosts=h0+h1", 4)

@@ -30,8 +30,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse, server_pid, test_seed  # noqa
-from netns import Etcd, Network, require_netns  # noqa
+from harness import Mounts, require_fuse, test_seed  # noqa
+from netns import Etcd, Network, require_netns, server_pid  # noqa
 from reference import (distopt_of, fsdp_of, parse_config, rank_shards, random_gpt,  # noqa
                        scalai, write_safetensors)
 from views import check_bytes, status  # noqa

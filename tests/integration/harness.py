@@ -88,16 +88,3 @@ class Mounts:
                 subprocess.run(["fusermount3", "-u", "-z", "-q", path],
                                stderr=subprocess.DEVNULL)
         return False
-
-
-def server_pid(store):
-    """The pid of the mount process serving `store`."""
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"mount" in args and store.encode() in args:
-            return int(pid)
-    raise AssertionError(f"no server of {store}")
