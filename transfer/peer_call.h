@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "transfer/peer.grpc.pb.h"
 
 namespace scalai {
 
@@ -39,6 +40,13 @@ inline constexpr PeerChannelSetting kPeerChannelSettings[] = {
     {GRPC_ARG_TCP_MIN_READ_CHUNK_SIZE, 256 << 10},
     {GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE, 4 << 20},
 };
+
+// A method of peer.proto's service as gRPC names it on the wire
+// ("/scalai.peer.Peer/ReadTensor"): the streamed calls are registered and
+// made by hand (ChunkFrom, ChunkInto), not through the generated code.
+inline std::string PeerMethodName(absl::string_view method) {
+  return absl::StrCat("/", peer::Peer::service_full_name(), "/", method);
+}
 
 inline std::string BearerToken(absl::string_view token) {
   return absl::StrCat("Bearer ", token);

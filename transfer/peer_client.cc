@@ -186,8 +186,7 @@ PeerClient::PeerClient(ClusterHost peer, Options options)
       grpc::CreateCustomChannel(peer_.address, credentials, args);
   channel_->stub = peer::Peer::NewStub(channel_->channel);
   for (size_t i = 0; i < std::size(kStreamedMethods); ++i) {
-    channel_->names[i] = absl::StrCat("/", peer::Peer::service_full_name(), "/",
-                                      kStreamedMethods[i]);
+    channel_->names[i] = PeerMethodName(kStreamedMethods[i]);
     channel_->methods[i].emplace(channel_->names[i].c_str(),
                                  grpc::internal::RpcMethod::SERVER_STREAMING,
                                  channel_->channel);

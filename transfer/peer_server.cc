@@ -462,10 +462,7 @@ class PeerServer::Service final : public grpc::Service {
   // "/scalai.peer.Peer/ReadTensor" and so on, kept for as long as the
   // methods that point at them.
   const char* Name(const char* method) {
-    return names_
-        .emplace_back(
-            absl::StrCat("/", peer::Peer::service_full_name(), "/", method))
-        .c_str();
+    return names_.emplace_back(PeerMethodName(method)).c_str();
   }
 
   State& s_;
