@@ -3,6 +3,7 @@
 
 #include <fuse3/fuse_lowlevel.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -616,6 +617,17 @@ void OnWrite(fuse_req_t req, fuse_ino_t ino, const char* data, size_t size,
   fuse_reply_write(req, size);
 }
 
+// `df MOUNT` shows the file system of the store: the tree takes no space
+// of its own, and shards saved through the mount are written there.
+void OnStatfs(fuse_req_t req, fuse_ino_t) {
+  struct statvfs st = {};
+  if (statvfs(Get(req).job->store().blob_dir().c_str(), &st) != 0) {
+    fuse_reply_err(req, errno);
+    return;
+  }
+  fuse_reply_statfs(req, &st);
+}
+
 // No exception may leave a FUSE handler: it would end the process, and
 // every worker's mount with it. Nothing in the handlers is meant to throw
 // (JSON is dumped with replacement, allocations are bounded); if one does
@@ -671,6 +683,7 @@ absl::Status Serve(Job& job, const MountOptions& options) {
   ops.fsync = Guarded<OnFsync>::Run;
   ops.unlink = Guarded<OnUnlink>::Run;
   ops.rmdir = Guarded<OnRmdir>::Run;
+  ops.statfs = Guarded<OnStatfs>::Run;
 
   // default_permissions: the kernel checks each access against the modes
   // and owner the mount reports, so another user (with --allow-other) may

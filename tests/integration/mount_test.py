@@ -126,6 +126,11 @@ def check_tree(tmp, mnt, full):
     assert f"{mnt}/ckpt/step-00000100/rank-00004/tensors/output_layer.weight" in found
     du = int(sh("du", "-b", "-s", f"{step}/").split()[0])
     assert du > 0
+    # df of the mount: the store's file system, where saves land.
+    here, there = os.statvfs(mnt), os.statvfs(f"{tmp}/store/blobs")
+    assert (here.f_frsize, here.f_blocks) == (there.f_frsize, there.f_blocks), (here, there)
+    assert abs(here.f_bavail - there.f_bavail) * here.f_frsize < 256 << 20, (here, there)
+    assert sh("df", "--output=target", mnt).split()[-1] == mnt
     for rank, want in ranks.items():
         d = f"{step}/rank-{rank:05d}"
         got, meta = read_safetensors(f"{d}/model.safetensors")
