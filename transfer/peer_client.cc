@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
+#include "transfer/blob_checksum.h"
 #include "transfer/peer.grpc.pb.h"
 #include "transfer/peer_call.h"
 
@@ -26,6 +27,8 @@ struct ChunkInto {
   int64_t got = 0;         // bytes the chunk carried
   bool overflow = false;   // it carried more than `room`
   bool malformed = false;  // it was not a Chunk
+  bool unsummed = false;   // it came without its checksum
+  bool damaged = false;    // its bytes do not match their checksum
 };
 
 // The bytes of a received message, read across gRPC's slices.
@@ -55,6 +58,14 @@ class SliceCursor {
     return false;
   }
   bool Skip(uint64_t n) { return Copy(nullptr, n); }
+  // A protobuf fixed64: eight bytes, least significant first.
+  bool Fixed64(uint64_t* v) {
+    uint8_t b[8];
+    if (!Copy(reinterpret_cast<char*>(b), 8)) return false;
+    *v = 0;
+    for (int i = 7; i >= 0; --i) *v = *v << 8 | b[i];
+    return true;
+  }
   // The next `n` bytes into `out`, or past them when `out` is null.
   bool Copy(char* out, uint64_t n) {
     while (n > 0) {
@@ -87,7 +98,8 @@ class SliceCursor {
 }  // namespace scalai
 
 // peer.proto's Chunk on the wire: its bytes as field 1, length-delimited
-// (absent when empty); fields it does not know (a newer peer's) are
+// (absent when empty), and their XXH3 as field 2, fixed64, checked here
+// once the message is read; fields it does not know (a newer peer's) are
 // skipped, as protobuf would.
 template <>
 class grpc::SerializationTraits<scalai::ChunkInto, void> {
@@ -101,6 +113,7 @@ class grpc::SerializationTraits<scalai::ChunkInto, void> {
     scalai::SliceCursor in(std::move(slices));
     chunk->got = 0;
     bool seen = false;
+    std::optional<uint64_t> sum;
     while (!in.AtEnd()) {
       uint64_t key, n;
       if (!in.Varint(&key)) return Malformed(chunk);
@@ -109,7 +122,13 @@ class grpc::SerializationTraits<scalai::ChunkInto, void> {
           if (!in.Varint(&n)) return Malformed(chunk);
           break;
         case 1:
-          if (!in.Skip(8)) return Malformed(chunk);
+          if ((key >> 3) != 2) {
+            if (!in.Skip(8)) return Malformed(chunk);
+            break;
+          }
+          if (sum.has_value()) return Malformed(chunk);
+          if (!in.Fixed64(&n)) return Malformed(chunk);
+          sum = n;
           break;
         case 5:
           if (!in.Skip(4)) return Malformed(chunk);
@@ -133,6 +152,14 @@ class grpc::SerializationTraits<scalai::ChunkInto, void> {
         default:
           return Malformed(chunk);
       }
+    }
+    if (!sum.has_value()) {
+      chunk->unsummed = true;
+      return grpc::Status(grpc::StatusCode::DATA_LOSS, "chunk without sum");
+    }
+    if (scalai::HashChunk(chunk->out, chunk->got) != *sum) {
+      chunk->damaged = true;
+      return grpc::Status(grpc::StatusCode::DATA_LOSS, "chunk damaged");
     }
     return grpc::Status::OK;
   }
@@ -223,7 +250,9 @@ absl::StatusOr<int64_t> Drain(grpc::ClientContext& ctx,
   }
   // Read fails at the stream's end, or on a chunk it could not take; then
   // the call would go on until cancelled.
-  if (chunk.overflow || chunk.malformed) ctx.TryCancel();
+  if (chunk.overflow || chunk.malformed || chunk.unsummed || chunk.damaged) {
+    ctx.TryCancel();
+  }
   grpc::Status finished = reader.Finish();
   if (chunk.overflow) {
     return absl::DataLossError(
@@ -232,6 +261,18 @@ absl::StatusOr<int64_t> Drain(grpc::ClientContext& ctx,
   if (chunk.malformed) {
     return absl::DataLossError(
         absl::StrCat(where, ": sent a message that is not a chunk of bytes"));
+  }
+  if (chunk.unsummed) {
+    return absl::DataLossError(
+        absl::StrCat(where,
+                     ": sent bytes without their checksum (a peer of an older "
+                     "build?); they are not used"));
+  }
+  if (chunk.damaged) {
+    return absl::DataLossError(absl::StrCat(
+        where, ": ", chunk.got, " bytes from byte ", got,
+        " of the reply do not match the checksum they were sent with "
+        "(damaged between the hosts); they are not used"));
   }
   RETURN_IF_ERROR(FromGrpc(finished, where));
   return got;

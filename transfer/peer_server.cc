@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ptc/status_macros.h"
+#include "transfer/blob_checksum.h"
 #include "transfer/blob_reader.h"
 #include "transfer/peer.grpc.pb.h"
 #include "transfer/peer_call.h"
@@ -51,22 +52,27 @@ struct ChunkFrom {
 }  // namespace
 }  // namespace scalai
 
-// peer.proto's Chunk on the wire: field 1, length-delimited, the bytes in a
-// slice that owns the chunk's buffer (the key and length in a small one).
+// peer.proto's Chunk on the wire, in a small slice: field 2 (fixed64, the
+// bytes' XXH3), then field 1's key and length; the bytes follow in a slice
+// that owns the chunk's buffer.
 template <>
 class grpc::SerializationTraits<scalai::ChunkFrom, void> {
  public:
   static grpc::Status Serialize(const scalai::ChunkFrom& chunk,
                                 grpc::ByteBuffer* buffer, bool* own_buffer) {
     *own_buffer = true;
-    if (chunk.size == 0) {  // an empty Chunk is no bytes at all
-      const grpc::Slice none;
-      grpc::ByteBuffer empty(&none, 1);
-      buffer->Swap(&empty);
+    uint8_t head[20] = {0x11};  // field 2, wire type 1: 8 bytes, little-end
+    size_t used = 1;
+    const uint64_t sum = scalai::HashChunk(chunk.bytes.get(), chunk.size);
+    for (int i = 0; i < 8; ++i)
+      head[used++] = static_cast<uint8_t>(sum >> 8 * i);
+    if (chunk.size == 0) {  // no field 1: an empty Chunk has no bytes
+      const grpc::Slice only(head, used);
+      grpc::ByteBuffer message(&only, 1);
+      buffer->Swap(&message);
       return grpc::Status::OK;
     }
-    uint8_t head[11] = {0x0a};  // field 1, wire type 2; then the varint
-    size_t used = 1;
+    head[used++] = 0x0a;  // field 1, wire type 2; then the varint
     for (uint64_t n = static_cast<uint64_t>(chunk.size);; n >>= 7) {
       head[used++] = static_cast<uint8_t>((n & 0x7f) | (n >= 0x80 ? 0x80 : 0));
       if (n < 0x80) break;

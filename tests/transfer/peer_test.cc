@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tests/store_fixture.h"
+#include "transfer/blob_checksum.h"
 #include "transfer/blob_copy.h"
 #include "transfer/fetch_ahead.h"
 #include "transfer/fsck.h"
@@ -357,6 +358,10 @@ TEST_F(PeerTest, ChunksSentParseAsProtobufChunks) {
     std::string got;
     std::vector<size_t> sizes;
     for (peer::Chunk chunk; reader->Read(&chunk);) {
+      ASSERT_TRUE(chunk.has_xxh3());
+      EXPECT_EQ(chunk.xxh3(),
+                HashChunk(chunk.data().data(),
+                          static_cast<int64_t>(chunk.data().size())));
       sizes.push_back(chunk.data().size());
       got += chunk.data();
     }
@@ -366,6 +371,14 @@ TEST_F(PeerTest, ChunksSentParseAsProtobufChunks) {
     EXPECT_TRUE(got == file.substr(3, expected));
     EXPECT_EQ(sizes.front(), std::min<int64_t>(expected, 1 << 20));
   }
+}
+
+// A chunk as a peer of this build sends it: its bytes and their XXH3.
+peer::Chunk Summed(const std::string& data) {
+  peer::Chunk chunk;
+  chunk.set_data(data);
+  chunk.set_xxh3(HashChunk(data.data(), static_cast<int64_t>(data.size())));
+  return chunk;
 }
 
 // A peer that answers every ReadTensor with the same chunks, whatever was
@@ -389,19 +402,16 @@ class ScriptedPeer final : public peer::Peer::Service {
 TEST(PeerClientTest, ChunksLandInTheCallersBufferAndOverlongOnesAreRefused) {
   // A chunk with fields this build does not know (a newer peer's), an
   // empty one, and one of megabytes that crosses many of gRPC's slices.
-  peer::Chunk small;
-  small.set_data("abcd");
+  peer::Chunk small = Summed("abcd");
   google::protobuf::UnknownFieldSet* unknown =
       small.GetReflection()->MutableUnknownFields(&small);
   unknown->AddVarint(7, 300);
   unknown->AddLengthDelimited(9, "a later field");
   unknown->AddFixed32(11, 5);
   unknown->AddFixed64(12, 6);
-  peer::Chunk large;
   std::string bytes(3 << 20, '\0');
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<char>(i * 7);
-  large.set_data(bytes);
-  ScriptedPeer service({small, peer::Chunk(), large});
+  ScriptedPeer service({small, Summed(""), Summed(bytes)});
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
@@ -439,6 +449,96 @@ TEST(PeerClientTest, ChunksLandInTheCallersBufferAndOverlongOnesAreRefused) {
   EXPECT_EQ(short_out.back(), 'z');
   EXPECT_EQ(client.errors(), 1);
   server->Shutdown();
+}
+
+// Starts `service` on a port of loopback; `port` gets it.
+std::unique_ptr<grpc::Server> StartScripted(ScriptedPeer& service, int& port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(),
+                           &port);
+  builder.RegisterService(&service);
+  return builder.BuildAndStart();
+}
+
+TEST(PeerClientTest, BytesThatFailTheirSumOrComeWithoutOneAreNeverUsed) {
+  std::string bytes(3 << 20, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i)
+    bytes[i] = static_cast<char>(i * 11);
+  const int64_t total = 4 + static_cast<int64_t>(bytes.size());
+  // One bit flipped after the sum was taken, deep inside a chunk that
+  // crosses many of gRPC's slices; a chunk that carries no sum.
+  peer::Chunk damaged = Summed(bytes);
+  (*damaged.mutable_data())[(2 << 20) + 12345] ^= 0x10;
+  peer::Chunk unsummed;
+  unsummed.set_data(bytes);
+  ScriptedPeer honest({Summed("abcd"), Summed(bytes)});
+  ScriptedPeer lying({Summed("abcd"), damaged});
+  ScriptedPeer old({Summed("abcd"), unsummed});
+  int honest_port = 0, lying_port = 0, old_port = 0;
+  std::unique_ptr<grpc::Server> honest_server =
+      StartScripted(honest, honest_port);
+  std::unique_ptr<grpc::Server> lying_server = StartScripted(lying, lying_port);
+  std::unique_ptr<grpc::Server> old_server = StartScripted(old, old_port);
+  ASSERT_TRUE(honest_server && lying_server && old_server);
+  PeerClient::Options o;
+  o.host = "h9";
+  o.token = kToken;
+  o.deadline = absl::Seconds(10);
+  PeerClient to_honest({"h0", absl::StrCat("127.0.0.1:", honest_port)}, o);
+  PeerClient to_lying({"h1", absl::StrCat("127.0.0.1:", lying_port)}, o);
+  PeerClient to_old({"h2", absl::StrCat("127.0.0.1:", old_port)}, o);
+  const PeerClient::TensorRef tensor{1, "tp=1,pp=1,dp=1", 0, 0};
+
+  std::string out(total, 'z');
+  absl::StatusOr<int64_t> got =
+      to_lying.ReadTensor(tensor, 0, total, out.data());
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(got.status().message().find(
+                "3145728 bytes from byte 4 of the reply do not match the "
+                "checksum they were sent with"),
+            std::string::npos)
+      << got.status();
+  EXPECT_EQ(to_lying.errors(), 1);
+  got = to_old.ReadTensor(tensor, 0, total, out.data());
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(got.status().message().find("without their checksum"),
+            std::string::npos)
+      << got.status();
+
+  // Reads through PeerBytes pass over the damaged replies for a peer whose
+  // bytes check, whichever peer each range starts at.
+  PeerBytes remote([&] {
+    return std::vector<PeerClient*>{&to_lying, &to_old, &to_honest};
+  });
+  const std::string want = "abcd" + bytes;
+  for (int group = 0; group < 3; ++group) {
+    SCOPED_TRACE(group);
+    std::string read(total, 'z');
+    absl::Status status =
+        remote.Read(1, "tp=1,pp=1,dp=1", {group, 0}, total, 0, total,
+                    read.data(), RemoteBytes::Access::kExact);
+    ASSERT_TRUE(status.ok()) << status;
+    EXPECT_TRUE(read == want);
+  }
+  EXPECT_GE(to_lying.errors(), 2);
+  EXPECT_GE(to_old.errors(), 2);
+  // With only the damaged peers, the read fails naming why.
+  PeerBytes only_bad([&] {
+    return std::vector<PeerClient*>{&to_lying, &to_old};
+  });
+  std::string read(total, 'z');
+  absl::Status status =
+      only_bad.Read(1, "tp=1,pp=1,dp=1", {0, 0}, total, 0, total, read.data(),
+                    RemoteBytes::Access::kExact);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("do not match the checksum"),
+            std::string::npos)
+      << status;
+  for (auto* server : {&honest_server, &lying_server, &old_server}) {
+    (*server)->Shutdown();
+  }
 }
 
 TEST_F(PeerTest, CallsWithoutTheTokenAreRefusedCountedAndServedNothing) {
