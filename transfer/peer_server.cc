@@ -61,7 +61,7 @@ class grpc::SerializationTraits<scalai::ChunkFrom, void> {
   static grpc::Status Serialize(const scalai::ChunkFrom& chunk,
                                 grpc::ByteBuffer* buffer, bool* own_buffer) {
     *own_buffer = true;
-    uint8_t head[20] = {0x11};  // field 2, wire type 1: 8 bytes, little-end
+    uint8_t head[20] = {0x11};  // field 2, wire type 1: 8 bytes, low first
     size_t used = 1;
     const uint64_t sum = scalai::HashChunk(chunk.bytes.get(), chunk.size);
     for (int i = 0; i < 8; ++i)
