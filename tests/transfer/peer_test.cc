@@ -471,15 +471,22 @@ TEST(PeerClientTest, BytesThatFailTheirSumOrComeWithoutOneAreNeverUsed) {
   (*damaged.mutable_data())[(2 << 20) + 12345] ^= 0x10;
   peer::Chunk unsummed;
   unsummed.set_data(bytes);
+  // Two sums, the second (a later field of the same number) wrong: refused
+  // whole, where protobuf's parser would keep the last.
+  peer::Chunk twice = Summed(bytes);
+  twice.GetReflection()->MutableUnknownFields(&twice)->AddFixed64(2, 1);
   ScriptedPeer honest({Summed("abcd"), Summed(bytes)});
   ScriptedPeer lying({Summed("abcd"), damaged});
   ScriptedPeer old({Summed("abcd"), unsummed});
-  int honest_port = 0, lying_port = 0, old_port = 0;
+  ScriptedPeer doubled({Summed("abcd"), twice});
+  int honest_port = 0, lying_port = 0, old_port = 0, doubled_port = 0;
   std::unique_ptr<grpc::Server> honest_server =
       StartScripted(honest, honest_port);
   std::unique_ptr<grpc::Server> lying_server = StartScripted(lying, lying_port);
   std::unique_ptr<grpc::Server> old_server = StartScripted(old, old_port);
-  ASSERT_TRUE(honest_server && lying_server && old_server);
+  std::unique_ptr<grpc::Server> doubled_server =
+      StartScripted(doubled, doubled_port);
+  ASSERT_TRUE(honest_server && lying_server && old_server && doubled_server);
   PeerClient::Options o;
   o.host = "h9";
   o.token = kToken;
@@ -487,6 +494,7 @@ TEST(PeerClientTest, BytesThatFailTheirSumOrComeWithoutOneAreNeverUsed) {
   PeerClient to_honest({"h0", absl::StrCat("127.0.0.1:", honest_port)}, o);
   PeerClient to_lying({"h1", absl::StrCat("127.0.0.1:", lying_port)}, o);
   PeerClient to_old({"h2", absl::StrCat("127.0.0.1:", old_port)}, o);
+  PeerClient to_doubled({"h3", absl::StrCat("127.0.0.1:", doubled_port)}, o);
   const PeerClient::TensorRef tensor{1, "tp=1,pp=1,dp=1", 0, 0};
 
   std::string out(total, 'z');
@@ -504,6 +512,11 @@ TEST(PeerClientTest, BytesThatFailTheirSumOrComeWithoutOneAreNeverUsed) {
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_NE(got.status().message().find("without their checksum"),
+            std::string::npos)
+      << got.status();
+  got = to_doubled.ReadTensor(tensor, 0, total, out.data());
+  ASSERT_FALSE(got.ok());
+  EXPECT_NE(got.status().message().find("not a chunk of bytes"),
             std::string::npos)
       << got.status();
 
@@ -536,7 +549,8 @@ TEST(PeerClientTest, BytesThatFailTheirSumOrComeWithoutOneAreNeverUsed) {
   EXPECT_NE(status.message().find("do not match the checksum"),
             std::string::npos)
       << status;
-  for (auto* server : {&honest_server, &lying_server, &old_server}) {
+  for (auto* server :
+       {&honest_server, &lying_server, &old_server, &doubled_server}) {
     (*server)->Shutdown();
   }
 }
