@@ -836,6 +836,65 @@ TEST_F(PeerTest, ReadsWhileTheServingHostCommitsGetEveryByte) {
   EXPECT_GT(reads, 0);
 }
 
+// A bit flipped at rest in one of a host's blobs: that host serves none of
+// the damaged chunk (its reads fail naming the blob's chunk, every other
+// byte it serves is right), and reads across it and a replica return the
+// cut bytes, the damaged range taken from the replica.
+TEST_F(PeerTest, ABlobDamagedOnDiskIsNeverSentAndAReplicaServesInstead) {
+  std::unique_ptr<Store> store_b = CopyStore();
+  fs::path largest;
+  for (const auto& entry : fs::directory_iterator(dir_ / "store" / "blobs")) {
+    if (largest.empty() || fs::file_size(entry) > fs::file_size(largest)) {
+      largest = entry.path();
+    }
+  }
+  {
+    std::fstream blob(largest, std::ios::in | std::ios::out | std::ios::binary);
+    blob.seekg(static_cast<std::streamoff>(fs::file_size(largest) / 2));
+    const char was = static_cast<char>(blob.get());
+    blob.seekp(static_cast<std::streamoff>(fs::file_size(largest) / 2));
+    blob.put(static_cast<char>(was ^ 0x04));
+  }
+  std::unique_ptr<PeerServer> a = StartServer();
+  std::unique_ptr<PeerServer> b = StartServerB(*store_b);
+  ASSERT_TRUE(a && b);
+  PeerClient to_a = Between("c", "h0", *a);
+  PeerClient to_b = Between("c", "b", *b);
+  PeerBytes both([&] { return std::vector<PeerClient*>{&to_a, &to_b}; });
+  const char* text = "tp=4,pp=1,dp=1";
+  const ParallelConfig config = *ParallelConfig::Parse(text);
+  Placement p = *Placement::Create(layout_, model_, config);
+  int refused = 0;
+  for (int rank = 0; rank < config.world_size(); ++rank) {
+    const int group = config.ShardGroup(rank);
+    for (size_t i = 0; i < p.shards(group).size(); ++i) {
+      SCOPED_TRACE(
+          absl::StrCat("rank ", rank, " ", p.shards(group)[i].local_name));
+      const int64_t bytes = p.shards(group)[i].bytes;
+      const std::string want = DirectCut(config, rank, static_cast<int>(i));
+      std::string got(bytes, '\0');
+      absl::StatusOr<int64_t> from_a = to_a.ReadTensor(
+          {42, text, group, static_cast<int>(i)}, 0, bytes, got.data());
+      if (from_a.ok()) {
+        ASSERT_EQ(*from_a, bytes);
+        EXPECT_TRUE(got == want);
+      } else {
+        ++refused;
+        EXPECT_NE(from_a.status().message().find("does not match its checksum"),
+                  std::string::npos)
+            << from_a.status();
+      }
+      std::string read(bytes, '\0');
+      absl::Status status =
+          both.Read(42, text, {group, static_cast<int>(i)}, bytes, 0, bytes,
+                    read.data(), RemoteBytes::Access::kExact);
+      ASSERT_TRUE(status.ok()) << status;
+      EXPECT_TRUE(read == want);
+    }
+  }
+  EXPECT_GE(refused, 1);  // the damaged chunk lies in some tensor
+}
+
 // A step stored again under a config it was stored under before, now with
 // other groups held: what the host serves comes from what it holds now, not
 // from a view it cached of what it held then.
