@@ -23,12 +23,17 @@ namespace {
 // of its own, one more pass over every byte fetched).
 struct ChunkInto {
   char* out = nullptr;
-  int64_t room = 0;        // bytes that may be written at `out`
-  int64_t got = 0;         // bytes the chunk carried
-  bool overflow = false;   // it carried more than `room`
-  bool malformed = false;  // it was not a Chunk
-  bool unsummed = false;   // it came without its checksum
-  bool damaged = false;    // its bytes do not match their checksum
+  int64_t room = 0;  // bytes that may be written at `out`
+  int64_t got = 0;   // bytes the chunk carried
+  // Why it was refused, if it was.
+  enum class Refusal {
+    kNone,
+    kOverflow,   // it carried more than `room`
+    kMalformed,  // it was not a Chunk
+    kUnsummed,   // it came without its checksum
+    kDamaged,    // its bytes do not match their checksum
+  };
+  Refusal refusal = Refusal::kNone;
 };
 
 // The bytes of a received message, read across gRPC's slices.
@@ -116,58 +121,56 @@ class grpc::SerializationTraits<scalai::ChunkInto, void> {
     std::optional<uint64_t> sum;
     while (!in.AtEnd()) {
       uint64_t key, n;
-      if (!in.Varint(&key)) return Malformed(chunk);
+      if (!in.Varint(&key)) return Refuse(chunk, kMalformed);
       switch (key & 7) {  // the wire type
         case 0:
-          if (!in.Varint(&n)) return Malformed(chunk);
+          if (!in.Varint(&n)) return Refuse(chunk, kMalformed);
           break;
         case 1:
           if ((key >> 3) != 2) {
-            if (!in.Skip(8)) return Malformed(chunk);
+            if (!in.Skip(8)) return Refuse(chunk, kMalformed);
             break;
           }
-          if (sum.has_value()) return Malformed(chunk);
-          if (!in.Fixed64(&n)) return Malformed(chunk);
+          if (sum.has_value()) return Refuse(chunk, kMalformed);
+          if (!in.Fixed64(&n)) return Refuse(chunk, kMalformed);
           sum = n;
           break;
         case 5:
-          if (!in.Skip(4)) return Malformed(chunk);
+          if (!in.Skip(4)) return Refuse(chunk, kMalformed);
           break;
         case 2:
-          if (!in.Varint(&n)) return Malformed(chunk);
+          if (!in.Varint(&n)) return Refuse(chunk, kMalformed);
           if ((key >> 3) != 1) {
-            if (!in.Skip(n)) return Malformed(chunk);
+            if (!in.Skip(n)) return Refuse(chunk, kMalformed);
             break;
           }
           // A serializer writes the field once.
-          if (seen) return Malformed(chunk);
+          if (seen) return Refuse(chunk, kMalformed);
           seen = true;
           if (n > static_cast<uint64_t>(chunk->room)) {
-            chunk->overflow = true;
-            return grpc::Status(grpc::StatusCode::INTERNAL, "chunk too long");
+            return Refuse(chunk, kOverflow);
           }
-          if (!in.Copy(chunk->out, n)) return Malformed(chunk);
+          if (!in.Copy(chunk->out, n)) return Refuse(chunk, kMalformed);
           chunk->got = static_cast<int64_t>(n);
           break;
         default:
-          return Malformed(chunk);
+          return Refuse(chunk, kMalformed);
       }
     }
-    if (!sum.has_value()) {
-      chunk->unsummed = true;
-      return grpc::Status(grpc::StatusCode::DATA_LOSS, "chunk without sum");
-    }
+    if (!sum.has_value()) return Refuse(chunk, kUnsummed);
     if (scalai::HashChunk(chunk->out, chunk->got) != *sum) {
-      chunk->damaged = true;
-      return grpc::Status(grpc::StatusCode::DATA_LOSS, "chunk damaged");
+      return Refuse(chunk, kDamaged);
     }
     return grpc::Status::OK;
   }
 
  private:
-  static grpc::Status Malformed(scalai::ChunkInto* chunk) {
-    chunk->malformed = true;
-    return grpc::Status(grpc::StatusCode::INTERNAL, "not a Chunk");
+  using enum scalai::ChunkInto::Refusal;
+  // Drain turns the refusal into the caller's error.
+  static grpc::Status Refuse(scalai::ChunkInto* chunk,
+                             scalai::ChunkInto::Refusal why) {
+    chunk->refusal = why;
+    return grpc::Status(grpc::StatusCode::DATA_LOSS, "chunk refused");
   }
 };
 
@@ -250,29 +253,28 @@ absl::StatusOr<int64_t> Drain(grpc::ClientContext& ctx,
   }
   // Read fails at the stream's end, or on a chunk it could not take; then
   // the call would go on until cancelled.
-  if (chunk.overflow || chunk.malformed || chunk.unsummed || chunk.damaged) {
-    ctx.TryCancel();
-  }
+  using enum ChunkInto::Refusal;
+  if (chunk.refusal != kNone) ctx.TryCancel();
   grpc::Status finished = reader.Finish();
-  if (chunk.overflow) {
-    return absl::DataLossError(
-        absl::StrCat(where, ": sent more than the ", length, " bytes asked"));
-  }
-  if (chunk.malformed) {
-    return absl::DataLossError(
-        absl::StrCat(where, ": sent a message that is not a chunk of bytes"));
-  }
-  if (chunk.unsummed) {
-    return absl::DataLossError(
-        absl::StrCat(where,
-                     ": sent bytes without their checksum (a peer of an older "
-                     "build?); they are not used"));
-  }
-  if (chunk.damaged) {
-    return absl::DataLossError(absl::StrCat(
-        where, ": ", chunk.got, " bytes from byte ", got,
-        " of the reply do not match the checksum they were sent with "
-        "(damaged between the hosts); they are not used"));
+  switch (chunk.refusal) {
+    case kNone:
+      break;
+    case kOverflow:
+      return absl::DataLossError(
+          absl::StrCat(where, ": sent more than the ", length, " bytes asked"));
+    case kMalformed:
+      return absl::DataLossError(
+          absl::StrCat(where, ": sent a message that is not a chunk of bytes"));
+    case kUnsummed:
+      return absl::DataLossError(absl::StrCat(
+          where,
+          ": sent bytes without their checksum (a peer of an older "
+          "build?); they are not used"));
+    case kDamaged:
+      return absl::DataLossError(absl::StrCat(
+          where, ": ", chunk.got, " bytes from byte ", got,
+          " of the reply do not match the checksum they were sent with "
+          "(damaged between the hosts); they are not used"));
   }
   RETURN_IF_ERROR(FromGrpc(finished, where));
   return got;
