@@ -1,8 +1,10 @@
 #include "ptc/pickle.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -90,11 +92,132 @@ absl::StatusOr<PickleRef> ResolveGlobal(const std::string& module,
       "nothing was run"));
 }
 
+// Bounds on what a pickle may build. Every walk over a value (the writer,
+// ForEachTensor, and destruction itself, one call per level) recurses with
+// its nesting and visits every path to each value, and a pickle can nest a
+// list a million deep in 2 MB, make a value contain itself through the memo,
+// or share a value so that its paths double at each level. Checkpoints nest a
+// few levels and share a few tensors.
+constexpr int kMaxNesting = 200;
+constexpr int64_t kMaxPaths = int64_t{1} << 24;
+
+// The values `v` holds, in order; i past the last gives null.
+const PickleValue* NthChild(const PickleValue& v, size_t i) {
+  if (i < v.items.size()) return v.items[i].get();
+  i -= v.items.size();
+  if (i / 2 >= v.entries.size()) return nullptr;
+  const auto& entry = v.entries[i / 2];
+  return i % 2 == 0 ? entry.first.get() : entry.second.get();
+}
+
+// Checks the values reachable from `roots` against the bounds above, with an
+// explicit stack: a value nested deeper than kMaxNesting, one that contains
+// itself, or one reached by more than kMaxPaths paths is an error.
+absl::Status CheckBounds(const std::vector<const PickleValue*>& roots) {
+  struct Facts {
+    bool open = true;  // on the current path: reaching it again is a cycle
+    int height = 1;
+    int64_t paths = 1;  // the value and every path below it
+  };
+  std::unordered_map<const PickleValue*, Facts> facts;
+  struct Frame {
+    const PickleValue* value;
+    size_t next = 0;
+  };
+  std::vector<Frame> path;
+  for (const PickleValue* root : roots) {
+    if (root == nullptr || !facts.try_emplace(root).second) continue;
+    path.push_back({root});
+    while (!path.empty()) {
+      Frame& top = path.back();
+      if (const PickleValue* child = NthChild(*top.value, top.next++)) {
+        auto [it, fresh] = facts.try_emplace(child);
+        if (!fresh && it->second.open) {
+          return absl::InvalidArgumentError(
+              "a value contains itself (a cycle through the memo)");
+        }
+        if (path.size() + (fresh ? 1 : it->second.height) > kMaxNesting) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("values nested deeper than ", kMaxNesting));
+        }
+        if (fresh) path.push_back({child});
+        continue;
+      }
+      Facts& mine = facts[top.value];
+      for (size_t i = 0; const PickleValue* child = NthChild(*top.value, i);
+           ++i) {
+        const Facts& below = facts[child];
+        mine.height = std::max(mine.height, below.height + 1);
+        mine.paths += below.paths;
+        if (mine.paths > kMaxPaths) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "shared values reached by more than ", kMaxPaths,
+              " paths (one value referenced over and over, at every level)"));
+        }
+      }
+      mine.open = false;
+      path.pop_back();
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Empties every container reachable from `roots`, so that freeing them
+// recurses no deeper than one level and cycles are broken. The list holds a
+// reference to each value until all are emptied.
+void Dismantle(std::vector<PickleRef> all) {
+  std::unordered_set<const PickleValue*> seen;
+  for (size_t i = 0; i < all.size(); ++i) {
+    PickleValue& v = *all[i];
+    for (PickleRef& child : v.items) {
+      if (child != nullptr && seen.insert(child.get()).second) {
+        all.push_back(child);
+      }
+    }
+    for (auto& [key, value] : v.entries) {
+      for (PickleRef* child : {&key, &value}) {
+        if (*child != nullptr && seen.insert(child->get()).second) {
+          all.push_back(*child);
+        }
+      }
+    }
+  }
+  for (PickleRef& v : all) {
+    v->items.clear();
+    v->entries.clear();
+  }
+}
+
 class Reader {
  public:
   explicit Reader(absl::string_view bytes) : in_(bytes) {}
 
+  // The pickle's value, within the bounds above. On any error, everything
+  // built so far is dismantled before it is freed.
   absl::StatusOr<PickleRef> Run() {
+    absl::StatusOr<PickleRef> result = Parse();
+    std::vector<PickleRef> built = stack_;
+    for (const auto& [key, value] : memo_) built.push_back(value);
+    for (const auto& [key, value] : storages_) built.push_back(value);
+    if (result.ok()) {
+      std::vector<const PickleValue*> roots;
+      for (const PickleRef& v : built) roots.push_back(v.get());
+      if (absl::Status bounded = CheckBounds(roots); !bounded.ok()) {
+        result = absl::InvalidArgumentError(
+            absl::StrCat("the pickle's values: ", bounded.message()));
+      }
+    }
+    if (!result.ok()) {
+      stack_.clear();
+      memo_.clear();
+      storages_.clear();
+      Dismantle(std::move(built));
+    }
+    return result;
+  }
+
+ private:
+  absl::StatusOr<PickleRef> Parse() {
     while (true) {
       if (at_ >= in_.size()) return Error("the pickle ends before STOP");
       const size_t op_at = at_;
@@ -113,7 +236,6 @@ class Reader {
     }
   }
 
- private:
   absl::Status Error(absl::string_view what) const {
     return absl::InvalidArgumentError(what);
   }

@@ -104,13 +104,16 @@ struct PickleValue {
 };
 
 // Calls `fn` on every tensor and storage below `value`, depth first; values
-// nested deeper than 200 are an error (a cycle, which memo references can
-// make).
+// nested deeper than 200 are an error (a cycle in a value built by code;
+// Unpickle refuses them).
 absl::Status ForEachTensor(PickleValue& value,
                            const std::function<void(PickleValue&)>& fn);
 
 // Parses a pickle; errors name the byte offset and what was wrong there,
-// and a global not on the list by its module and name.
+// and a global not on the list by its module and name. Values nested deeper
+// than 200, values that contain themselves, and values shared so often that
+// more than 2^24 paths lead to them are refused, so that every walk over
+// what it returns (and freeing it) is bounded.
 absl::StatusOr<PickleRef> Unpickle(absl::string_view bytes);
 
 // Writes `value` as a protocol 3 pickle in torch.save's form: tensors as

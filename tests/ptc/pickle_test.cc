@@ -119,6 +119,45 @@ TEST(Pickle, RefusesBrokenPickles) {
               HasSubstr("STOP leaves a malformed stack"));
 }
 
+// What a few bytes can build that no checkpoint holds, and that would crash
+// or hang whoever walks or frees it: each is refused with its reason, and
+// returns (freeing what was built without recursing once per level).
+TEST(Pickle, RefusesValuesTooDeepCyclicOrSharedTooOften) {
+  const int n = 100000;  // a list 100,000 deep: 200 KB
+  std::string deep =
+      "\x80\x02" + std::string(n, ']') + std::string(n - 1, 'a') + ".";
+  EXPECT_THAT(Read(deep).message(), HasSubstr("nested deeper than 200"));
+  // The same chain left in the memo while the pickle returns None.
+  const std::string put0("q\0", 2), get0("h\0", 2);
+  std::string hidden =
+      "\x80\x02" + std::string(n, ']') + std::string(n - 1, 'a') + put0 + "0N.";
+  EXPECT_THAT(Read(hidden).message(), HasSubstr("nested deeper than 200"));
+  // A chain broken off by a bad opcode halfway: the error is the opcode's.
+  std::string broken =
+      "\x80\x02" + std::string(n, ']') + std::string(n / 2, 'a') + "\xff";
+  EXPECT_THAT(Read(broken).message(), HasSubstr("opcode 0xff"));
+  // 200 levels read; one more is refused.
+  auto nested = [](int levels) {
+    return "\x80\x02" + std::string(levels, ']') +
+           std::string(levels - 1, 'a') + ".";
+  };
+  EXPECT_TRUE(Unpickle(nested(200)).ok()) << Read(nested(200));
+  EXPECT_THAT(Read(nested(201)).message(), HasSubstr("nested deeper than 200"));
+  // A list that holds itself: x = []; x.append(x).
+  EXPECT_THAT(Read("\x80\x02]" + put0 + get0 + "a.").message(),
+              HasSubstr("contains itself"));
+  // x = []; then 40 times x = [x, x]: 2^40 paths in 300 bytes.
+  auto doubled = [&](int times) {
+    std::string pickle = "\x80\x02]";
+    for (int i = 0; i < times; ++i) pickle += put0 + "0](" + get0 + get0 + "e";
+    return pickle + ".";
+  };
+  EXPECT_THAT(Read(doubled(40)).message(),
+              HasSubstr("more than 16777216 paths"));
+  // Twenty doublings are a million paths: read.
+  EXPECT_TRUE(Unpickle(doubled(20)).ok()) << Read(doubled(20));
+}
+
 TEST(Pickle, RefusesATensorBeyondItsStorage) {
   auto t = Tensor("0", DType::kF32, {4, 3}, 1, 12);  // reaches element 12
   auto bytes = Pickle(*t);
