@@ -354,10 +354,10 @@ absl::Status ClusterSaves::Copy(const WantedCopy& want) {
         ASSIGN_OR_RETURN(
             remote.sums,
             DecodeChunkSums(list[b].at("sums").get<std::string>()));
-        remote.read = [&, b](int64_t offset, int64_t length,
-                             char* out) -> absl::StatusOr<int64_t> {
+        remote.read = [&, group = g, b](int64_t offset, int64_t length,
+                                        char* out) -> absl::StatusOr<int64_t> {
           if (stopping_) return absl::CancelledError("the host is leaving");
-          return peer->ReadPendingShard(want.step, g, static_cast<int>(b),
+          return peer->ReadPendingShard(want.step, group, static_cast<int>(b),
                                         offset, length, out);
         };
         ASSIGN_OR_RETURN(

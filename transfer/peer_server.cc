@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <shared_mutex>
 #include <tuple>
@@ -424,8 +425,12 @@ class PeerServer::Service final : public grpc::Service {
       return s_.Fail(absl::UnimplementedError(
           absl::StrCat("host ", s_.options.host, " serves no mount")));
     }
-    if (request->offset() < 0 || request->length() < 0) {
-      return s_.Fail(absl::OutOfRangeError("a negative offset or length"));
+    if (request->offset() < 0 || request->length() < 0 ||
+        request->length() > std::numeric_limits<int64_t>::max() -
+                                request->offset()) {
+      return s_.Fail(absl::OutOfRangeError(
+          absl::StrCat("bytes [", request->offset(), ", +", request->length(),
+                       ") of a file")));
     }
     for (int64_t at = 0; at < request->length(); at += kChunkBytes) {
       if (ctx->IsCancelled()) {

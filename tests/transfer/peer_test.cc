@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -315,6 +316,13 @@ TEST_F(PeerTest, FilesOfTheMountAreReadToTheirEndOrRefused) {
   EXPECT_EQ(server->counters().bytes_served.at("h1"), *n);
   EXPECT_EQ(client.ReadFile("ckpt/g", 0, 10, got.data()).status().code(),
             absl::StatusCode::kNotFound);
+  // A range whose end would overflow is refused before the mount is asked.
+  EXPECT_EQ(client
+                .ReadFile("ckpt/f", std::numeric_limits<int64_t>::max() - 5, 10,
+                          got.data())
+                .status()
+                .code(),
+            absl::StatusCode::kOutOfRange);
   // Without the token: nothing; a server with no mount: refused.
   PeerClient intruder = Client(*server, "wrong-token-of-16+chars");
   EXPECT_EQ(intruder.ReadFile("ckpt/f", 0, 10, got.data()).status().code(),
