@@ -62,8 +62,19 @@ absl::Status LayoutError(absl::string_view source, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(source, ": ", why));
 }
 
+// std::regex compiles a pattern by recursing once per nested group, so a
+// pattern of many thousand '(' overflows the stack; rules match tensor names
+// and are tens of characters.
+constexpr size_t kMaxPatternChars = 1000;
+
 absl::StatusOr<std::regex> CompileRegex(absl::string_view source,
                                         const std::string& pattern) {
+  if (pattern.size() > kMaxPatternChars) {
+    return LayoutError(
+        source, absl::StrCat("a regex of ", pattern.size(),
+                             " characters (at most ", kMaxPatternChars, "): \"",
+                             pattern.substr(0, 40), "...\""));
+  }
   try {
     return std::regex(pattern, std::regex::ECMAScript | std::regex::optimize);
   } catch (const std::regex_error& e) {

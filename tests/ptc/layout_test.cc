@@ -144,6 +144,25 @@ TEST(Layout, LoadsAJsonFileAndNamesAMissingOne) {
               HasSubstr("/nonexistent/layout.json"));
 }
 
+// std::regex recurses once per nested group while it compiles: a pattern of
+// 30,000 nested groups overflowed the stack. Patterns past 1000 characters
+// are refused before they are compiled; 400 nested groups compile.
+TEST(Layout, RefusesAPatternTooLongToCompileSafely) {
+  auto with_match = [](const std::string& pattern) {
+    return R"({"name": "x", "rules": [{"match": ")" + pattern + R"("}]})";
+  };
+  const int n = 30000;
+  auto deep = Layout::FromJson(
+      with_match(std::string(n, '(') + "a" + std::string(n, ')')), "deep.json");
+  ASSERT_FALSE(deep.ok());
+  EXPECT_THAT(
+      std::string(deep.status().message()),
+      HasSubstr("deep.json: a regex of 60001 characters (at most 1000)"));
+  auto fine = Layout::FromJson(
+      with_match(std::string(400, '(') + "." + std::string(400, ')')), "ok");
+  EXPECT_TRUE(fine.ok()) << fine.status();
+}
+
 TEST(Layout, ATensorNoRuleMatchesIsNamed) {
   auto layout =
       *Layout::FromJson(R"({"name": "x", "rules": [{"match": "weight$"}]})");
