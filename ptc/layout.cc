@@ -1,5 +1,6 @@
 #include "ptc/layout.h"
 
+#include <algorithm>
 #include <charconv>
 #include <fstream>
 #include <sstream>
@@ -63,9 +64,41 @@ absl::Status LayoutError(absl::string_view source, absl::string_view why) {
 }
 
 // std::regex compiles a pattern by recursing once per nested group, so a
-// pattern of many thousand '(' overflows the stack; rules match tensor names
-// and are tens of characters.
+// pattern of many thousand '(' overflows the stack, and it copies a
+// repeated atom once per count, so "a{999999999}" or a few nested counts
+// exhaust memory (and a count past 2^63 overflows inside libstdc++). Rules
+// match tensor names: tens of characters, a count of a few digits at most.
 constexpr size_t kMaxPatternChars = 1000;
+constexpr int64_t kMaxRepeatCopies = 4096;
+
+// The product of the counts of every "{n}", "{n,}" and "{n,m}" in `pattern`
+// (the larger of n and m), which bounds the copies std::regex makes however
+// they nest; past kMaxRepeatCopies it stops counting.
+int64_t RepeatCopies(absl::string_view pattern) {
+  int64_t copies = 1;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    if (pattern[i] == '\\') {
+      ++i;  // an escaped character, "\{" included
+      continue;
+    }
+    if (pattern[i] != '{') continue;
+    int64_t largest = 0, number = 0;
+    for (size_t j = i + 1; j < pattern.size(); ++j) {
+      const char c = pattern[j];
+      if (c >= '0' && c <= '9') {
+        number =
+            std::min<int64_t>(number * 10 + (c - '0'), kMaxRepeatCopies + 1);
+      } else {
+        largest = std::max(largest, number);
+        number = 0;
+        if (c != ',') break;
+      }
+    }
+    copies = std::min<int64_t>(copies * std::max<int64_t>(largest, 1),
+                               kMaxRepeatCopies + 1);
+  }
+  return copies;
+}
 
 absl::StatusOr<std::regex> CompileRegex(absl::string_view source,
                                         const std::string& pattern) {
@@ -74,6 +107,12 @@ absl::StatusOr<std::regex> CompileRegex(absl::string_view source,
         source, absl::StrCat("a regex of ", pattern.size(),
                              " characters (at most ", kMaxPatternChars, "): \"",
                              pattern.substr(0, 40), "...\""));
+  }
+  if (RepeatCopies(pattern) > kMaxRepeatCopies) {
+    return LayoutError(
+        source, absl::StrCat("the regex \"", pattern.substr(0, 80),
+                             "\" repeats by counts whose product passes ",
+                             kMaxRepeatCopies));
   }
   try {
     return std::regex(pattern, std::regex::ECMAScript | std::regex::optimize);

@@ -161,6 +161,21 @@ TEST(Layout, RefusesAPatternTooLongToCompileSafely) {
   auto fine = Layout::FromJson(
       with_match(std::string(400, '(') + "." + std::string(400, ')')), "ok");
   EXPECT_TRUE(fine.ok()) << fine.status();
+  // Counts: std::regex copies the atom once per count (and a count past
+  // 2^63 overflows inside it).
+  for (const char* pattern :
+       {"a{999999999}", "a{18446744073709551616}", "(a{1,100}){100}",
+        "((a{16}){16}){17}", "x{2,}{3}{1000}"}) {
+    auto counted = Layout::FromJson(with_match(pattern), "count.json");
+    ASSERT_FALSE(counted.ok()) << pattern;
+    EXPECT_THAT(std::string(counted.status().message()),
+                HasSubstr("repeats by counts whose product passes 4096"));
+  }
+  for (const char* pattern : {"layers\\\\.\\\\d{1,4}\\\\.", "a{4096}",
+                              "(a{16}){256}", "a\\\\{99999}"}) {
+    auto counted = Layout::FromJson(with_match(pattern), "count.json");
+    EXPECT_TRUE(counted.ok()) << pattern << ": " << counted.status();
+  }
 }
 
 TEST(Layout, ATensorNoRuleMatchesIsNamed) {
