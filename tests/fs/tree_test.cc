@@ -265,8 +265,9 @@ TEST_F(TreeTest, SampleNodesLiveWhileTheKernelHoldsThem) {
   EXPECT_EQ(tree->total_lookups(), 0u);
   EXPECT_EQ(tree->Get(a->ino), a);  // open: kept
   EXPECT_TRUE(tree->UnopenedReferencesDeepestFirst().empty());
-  again->CountOpen(a->ino, -1);
-  EXPECT_EQ(tree->Get(a->ino), nullptr);  // forgotten and closed: gone
+  const uint64_t a_ino = a->ino;  // `a` itself goes with the next line
+  again->CountOpen(a_ino, -1);
+  EXPECT_EQ(tree->Get(a_ino), nullptr);  // forgotten and closed: gone
 }
 
 }  // namespace
