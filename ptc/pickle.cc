@@ -192,16 +192,15 @@ class Reader {
  public:
   explicit Reader(absl::string_view bytes) : in_(bytes) {}
 
-  // The pickle's value, within the bounds above. On any error, everything
-  // built so far is dismantled before it is freed.
+  // The pickle's value, within the bounds above. Everything the pickle
+  // built is checked, not only what the result reaches: a cycle dropped from
+  // the stack and the memo would leak, and a deep chain would still be freed
+  // recursively. On any error, all of it is dismantled before it is freed.
   absl::StatusOr<PickleRef> Run() {
     absl::StatusOr<PickleRef> result = Parse();
-    std::vector<PickleRef> built = stack_;
-    for (const auto& [key, value] : memo_) built.push_back(value);
-    for (const auto& [key, value] : storages_) built.push_back(value);
     if (result.ok()) {
       std::vector<const PickleValue*> roots;
-      for (const PickleRef& v : built) roots.push_back(v.get());
+      for (const PickleRef& v : pushed_) roots.push_back(v.get());
       if (absl::Status bounded = CheckBounds(roots); !bounded.ok()) {
         result = absl::InvalidArgumentError(
             absl::StrCat("the pickle's values: ", bounded.message()));
@@ -211,7 +210,7 @@ class Reader {
       stack_.clear();
       memo_.clear();
       storages_.clear();
-      Dismantle(std::move(built));
+      Dismantle(std::move(pushed_));
     }
     return result;
   }
@@ -283,7 +282,12 @@ class Reader {
     stack_.resize(m);
     return items;
   }
-  void Push(PickleRef v) { stack_.push_back(std::move(v)); }
+  // Every value reaches the stack before anything can hold it, so pushed_
+  // holds everything the pickle built, whatever it later drops.
+  void Push(PickleRef v) {
+    pushed_.push_back(v);
+    stack_.push_back(std::move(v));
+  }
 
   absl::Status Append(PickleValue& list, std::vector<PickleRef> items) {
     if (list.kind != Kind::kList)
@@ -785,6 +789,7 @@ class Reader {
   size_t at_ = 0;
   bool stopped_ = false;
   std::vector<PickleRef> stack_;
+  std::vector<PickleRef> pushed_;  // with repeats, one per push
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, PickleRef> memo_;
   std::map<std::string, PickleRef> storages_;

@@ -146,6 +146,11 @@ TEST(Pickle, RefusesValuesTooDeepCyclicOrSharedTooOften) {
   // A list that holds itself: x = []; x.append(x).
   EXPECT_THAT(Read("\x80\x02]" + put0 + get0 + "a.").message(),
               HasSubstr("contains itself"));
+  // d = {}; d[None] = d; then d is popped and its memo slot reused, so that
+  // nothing the pickle returns reaches it (it leaked, found by libFuzzer).
+  EXPECT_THAT(
+      Read("\x80\x02}" + put0 + "N" + get0 + "s0N" + put0 + ".").message(),
+      HasSubstr("contains itself"));
   // x = []; then 40 times x = [x, x]: 2^40 paths in 300 bytes.
   auto doubled = [&](int times) {
     std::string pickle = "\x80\x02]";
