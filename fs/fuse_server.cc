@@ -435,7 +435,11 @@ char* ReplyBuffer(size_t size) {
 // into the reader's (splice), and they never pass through this process.
 // Returns false, having replied nothing, when the bytes must be copied.
 bool ReplyFromBlobs(fuse_req_t req, Handle& h, size_t size, off_t offset) {
-  absl::StatusOr<std::vector<Tree::ReadPiece>> pieces = h.tree->ReadPieces(
+  // The header's text lies in the tree. Once the kernel has the reply, the
+  // file's release may run on another thread and drop the handle's tree
+  // before fuse_reply_data returns here, so the reply holds it too.
+  const std::shared_ptr<const Tree> tree = h.tree;
+  absl::StatusOr<std::vector<Tree::ReadPiece>> pieces = tree->ReadPieces(
       *h.node, offset, static_cast<int64_t>(size), kMaxSplicedPieces);
   if (!pieces.ok()) {
     ReportDataLoss(Get(req), pieces.status());
@@ -481,9 +485,14 @@ void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
     return;
   }
   if (h.node->live) {
+    // Copied out first: once the kernel has this reply, the file's release
+    // may run on another thread and free the handle before the call returns.
     const std::string& text = h.snapshot;
     const size_t at = std::min<size_t>(offset, text.size());
-    fuse_reply_buf(req, text.data() + at, std::min(size, text.size() - at));
+    const size_t n = std::min(size, text.size() - at);
+    char* buf = ReplyBuffer(n);
+    std::memcpy(buf, text.data() + at, n);
+    fuse_reply_buf(req, buf, n);
     return;
   }
   if (ReplyFromBlobs(req, h, size, offset)) return;
@@ -695,6 +704,8 @@ absl::Status Serve(Job& job, const MountOptions& options) {
   std::vector<char*> argv;
   for (std::string& a : argv_store) argv.push_back(a.data());
   fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
+  // Parsing copies the arguments it keeps into memory of libfuse's.
+  absl::Cleanup free_args = [&args] { fuse_opt_free_args(&args); };
   fuse_session* se = fuse_session_new(&args, &ops, sizeof(ops), &server);
   if (se == nullptr) return absl::InternalError("fuse_session_new failed");
   server.session = se;
