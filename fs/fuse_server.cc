@@ -490,7 +490,7 @@ void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
     const std::string& text = h.snapshot;
     const size_t at = std::min<size_t>(offset, text.size());
     const size_t n = std::min(size, text.size() - at);
-    char* buf = ReplyBuffer(n);
+    char* buf = ReplyBuffer(std::max<size_t>(n, 1));
     std::memcpy(buf, text.data() + at, n);
     fuse_reply_buf(req, buf, n);
     return;

@@ -162,9 +162,9 @@ absl::Status CheckBounds(const std::vector<const PickleValue*>& roots) {
   return absl::OkStatus();
 }
 
-// Empties every container reachable from `roots`, so that freeing them
-// recurses no deeper than one level and cycles are broken. The list holds a
-// reference to each value until all are emptied.
+// Empties the containers in `all` and every container they reach, so that
+// freeing them recurses no deeper than one level and cycles are broken. The
+// list holds a reference to each value until all are emptied.
 void Dismantle(std::vector<PickleRef> all) {
   std::unordered_set<const PickleValue*> seen;
   for (size_t i = 0; i < all.size(); ++i) {
