@@ -1,6 +1,5 @@
 #include "ptc/layout.h"
 
-#include <algorithm>
 #include <charconv>
 #include <fstream>
 #include <sstream>
@@ -8,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ptc/status_macros.h"
+#include "re2/re2.h"
 
 namespace scalai {
 namespace {
@@ -63,63 +63,31 @@ absl::Status LayoutError(absl::string_view source, absl::string_view why) {
   return absl::InvalidArgumentError(absl::StrCat(source, ": ", why));
 }
 
-// std::regex compiles a pattern by recursing once per nested group, so a
-// pattern of many thousand '(' overflows the stack, and it copies a
-// repeated atom once per count, so "a{999999999}" or a few nested counts
-// exhaust memory (and a count past 2^63 overflows inside libstdc++). Rules
-// match tensor names: tens of characters, a count of a few digits at most.
+// A layout's regexes are RE2's: matching takes time linear in the name
+// whatever the pattern (std::regex backtracked exponentially on a rule such
+// as "a??????(b*****c)$" and recursed once per nested group while compiling),
+// and compiling takes at most kRegexMemory, refusing the rest. Rules match
+// tensor names: tens of characters, a count of a few digits at most.
 constexpr size_t kMaxPatternChars = 1000;
-constexpr int64_t kMaxRepeatCopies = 4096;
+constexpr int64_t kRegexMemory = 1 << 20;
 
-// The product of the counts of every "{n}", "{n,}" and "{n,m}" in `pattern`
-// (the larger of n and m), which bounds the copies std::regex makes however
-// they nest; past kMaxRepeatCopies it stops counting.
-int64_t RepeatCopies(absl::string_view pattern) {
-  int64_t copies = 1;
-  for (size_t i = 0; i < pattern.size(); ++i) {
-    if (pattern[i] == '\\') {
-      ++i;  // an escaped character, "\{" included
-      continue;
-    }
-    if (pattern[i] != '{') continue;
-    int64_t largest = 0, number = 0;
-    for (size_t j = i + 1; j < pattern.size(); ++j) {
-      const char c = pattern[j];
-      if (c >= '0' && c <= '9') {
-        number =
-            std::min<int64_t>(number * 10 + (c - '0'), kMaxRepeatCopies + 1);
-      } else {
-        largest = std::max(largest, number);
-        number = 0;
-        if (c != ',') break;
-      }
-    }
-    copies = std::min<int64_t>(copies * std::max<int64_t>(largest, 1),
-                               kMaxRepeatCopies + 1);
-  }
-  return copies;
-}
-
-absl::StatusOr<std::regex> CompileRegex(absl::string_view source,
-                                        const std::string& pattern) {
+absl::StatusOr<std::shared_ptr<const re2::RE2>> CompileRegex(
+    absl::string_view source, const std::string& pattern) {
   if (pattern.size() > kMaxPatternChars) {
     return LayoutError(
         source, absl::StrCat("a regex of ", pattern.size(),
                              " characters (at most ", kMaxPatternChars, "): \"",
                              pattern.substr(0, 40), "...\""));
   }
-  if (RepeatCopies(pattern) > kMaxRepeatCopies) {
-    return LayoutError(
-        source, absl::StrCat("the regex \"", pattern.substr(0, 80),
-                             "\" repeats by counts whose product passes ",
-                             kMaxRepeatCopies));
+  re2::RE2::Options options;
+  options.set_log_errors(false);
+  options.set_max_mem(kRegexMemory);
+  auto regex = std::make_shared<const re2::RE2>(pattern, options);
+  if (!regex->ok()) {
+    return LayoutError(source, absl::StrCat("invalid regex \"", pattern,
+                                            "\": ", regex->error()));
   }
-  try {
-    return std::regex(pattern, std::regex::ECMAScript | std::regex::optimize);
-  } catch (const std::regex_error& e) {
-    return LayoutError(
-        source, absl::StrCat("invalid regex \"", pattern, "\": ", e.what()));
-  }
+  return regex;
 }
 
 absl::Status CheckKeys(absl::string_view source, absl::string_view what,
@@ -312,7 +280,7 @@ absl::StatusOr<Layout> Layout::FromJson(absl::string_view text,
     layout.layer_pattern_ = layer["pattern"].get<std::string>();
     ASSIGN_OR_RETURN(layout.layer_regex_,
                      CompileRegex(source, layout.layer_pattern_));
-    if (layout.layer_regex_.mark_count() != 1) {
+    if (layout.layer_regex_->NumberOfCapturingGroups() != 1) {
       return LayoutError(source,
                          "layer: \"pattern\" must have exactly one group "
                          "capturing the layer number");
@@ -410,27 +378,30 @@ std::optional<int64_t> Layout::IntParam(absl::string_view key) const {
 absl::StatusOr<TensorRule> Layout::Classify(
     absl::string_view tensor_name) const {
   TensorRule out;
-  const char* begin = tensor_name.data();
-  const char* end = begin + tensor_name.size();
+  const re2::StringPiece name(tensor_name.data(), tensor_name.size());
   if (!layer_pattern_.empty()) {
-    std::cmatch m;
-    if (std::regex_search(begin, end, m, layer_regex_) && m[1].matched) {
+    re2::StringPiece digits;
+    // An optional group that took no part in the match is null.
+    if (re2::RE2::PartialMatch(name, *layer_regex_, &digits) &&
+        digits.data() != nullptr) {
       int64_t layer = 0;
-      auto [p, ec] = std::from_chars(m[1].first, m[1].second, layer);
-      if (ec != std::errc() || p != m[1].second) {
+      const char* end = digits.data() + digits.size();
+      auto [p, ec] = std::from_chars(digits.data(), end, layer);
+      if (ec != std::errc() || p != end) {
         return absl::InvalidArgumentError(
             absl::StrCat("tensor ", tensor_name, ": layer number \"",
-                         m[1].str(), "\" is not a number"));
+                         absl::string_view(digits.data(), digits.size()),
+                         "\" is not a number"));
       }
       out.layer = layer;
-      out.layer_digits_pos = m[1].first - begin;
-      out.layer_digits_len = m[1].length();
+      out.layer_digits_pos = digits.data() - tensor_name.data();
+      out.layer_digits_len = digits.size();
     }
   }
   for (size_t i = 0; i < rules_->size(); ++i) {
     const LayoutRule& rule = (*rules_)[i];
     if (!rule.when.empty() && !params_[rule.when].get<bool>()) continue;
-    if (std::regex_search(begin, end, rule.regex)) {
+    if (re2::RE2::PartialMatch(name, *rule.regex)) {
       out.rule = &rule;
       out.rule_index = static_cast<int>(i);
       return out;

@@ -11,13 +11,16 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <regex>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "nlohmann/json.hpp"
+
+namespace re2 {
+class RE2;
+}
 
 namespace scalai {
 
@@ -26,7 +29,7 @@ enum class StagePolicy { kFirst, kLast, kFirstAndLast, kAll };
 
 struct LayoutRule {
   std::string match;
-  std::regex regex;
+  std::shared_ptr<const re2::RE2> regex;
   int split = -1;      // dimension split across tp ranks; -1 = replicated
   int blocks = 1;      // concatenated blocks along `split`, each split alone
   bool vocab = false;  // rows padded to a multiple of divisor * tp
@@ -101,7 +104,7 @@ class Layout {
  private:
   std::string name_;
   std::string layer_pattern_;
-  std::regex layer_regex_;
+  std::shared_ptr<const re2::RE2> layer_regex_;
   bool local_numbering_ = true;
   nlohmann::json params_;
   // Shared so that Layout copies stay cheap; rules never change after parsing.

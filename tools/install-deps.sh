@@ -10,7 +10,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   etcd-server etcd-client openssl iperf3
-  libzip-dev
+  libzip-dev libre2-dev
   python3-numpy python3-torch python3-matplotlib clang-format git tar
 )
 
