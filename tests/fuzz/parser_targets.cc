@@ -106,23 +106,13 @@ FuzzResult RunLayout(absl::string_view bytes) {
 }
 
 std::vector<std::string> LayoutSeeds() {
-  return {R"json({
-  "name": "fuzz-gpt",
-  "layer": {"pattern": "decoder\\.layers\\.(\\d+)\\.", "numbering": "local"},
-  "params": {"vocab_size": null, "make_vocab_size_divisible_by": 128,
-             "gated_linear_unit": false, "tied": false,
-             "num_attention_heads": null, "num_query_groups": null},
-  "tie": {"when": "tied", "input": "embedding.word_embeddings.weight",
-          "output": "output_layer.weight"},
-  "rules": [
-    {"match": "embedding\\.word_embeddings\\.weight$", "split": 0, "vocab": true, "stage": "first"},
-    {"match": "linear_fc1\\.(weight|bias)$", "split": 0, "blocks": 2, "when": "gated_linear_unit"},
-    {"match": "linear_qkv\\.(weight|bias)$", "split": 0, "units": "num_query_groups"},
-    {"match": "linear_proj\\.weight$", "split": 1, "units": "num_attention_heads"},
-    {"match": "final_layernorm\\.", "stage": "last"},
-    {"match": ".", "split": null}
-  ]
-})json"};
+  // The presets, as JSON.
+  std::vector<std::string> seeds;
+  for (const std::string& name : Layout::PresetNames()) {
+    auto layout = Layout::Load(name);
+    if (layout.ok()) seeds.push_back(layout->ToJson().dump(2));
+  }
+  return seeds;
 }
 
 // --- safetensors files (import, saves through the mount).
