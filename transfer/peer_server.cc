@@ -426,8 +426,8 @@ class PeerServer::Service final : public grpc::Service {
           absl::StrCat("host ", s_.options.host, " serves no mount")));
     }
     if (request->offset() < 0 || request->length() < 0 ||
-        request->length() > std::numeric_limits<int64_t>::max() -
-                                request->offset()) {
+        request->length() >
+            std::numeric_limits<int64_t>::max() - request->offset()) {
       return s_.Fail(absl::OutOfRangeError(
           absl::StrCat("bytes [", request->offset(), ", +", request->length(),
                        ") of a file")));
