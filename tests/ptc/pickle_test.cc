@@ -141,7 +141,11 @@ TEST(Pickle, RefusesValuesTooDeepCyclicOrSharedTooOften) {
     return "\x80\x02" + std::string(levels, ']') +
            std::string(levels - 1, 'a') + ".";
   };
-  EXPECT_TRUE(Unpickle(nested(200)).ok()) << Read(nested(200));
+  auto deepest = Unpickle(nested(200));
+  ASSERT_TRUE(deepest.ok()) << deepest.status();
+  // What the reader returns, every walk takes.
+  EXPECT_TRUE(ForEachTensor(**deepest, [](PickleValue&) {}).ok());
+  EXPECT_TRUE(Pickle(**deepest).ok());
   EXPECT_THAT(Read(nested(201)).message(), HasSubstr("nested deeper than 200"));
   // A list that holds itself: x = []; x.append(x).
   EXPECT_THAT(Read("\x80\x02]" + put0 + get0 + "a.").message(),
