@@ -194,21 +194,75 @@ ClusterSaves::ReadSaves(int64_t from) {
       steps[step].votes[what.substr(5)] = std::move(kv);
     }
   }
+  last_revision_ = snapshot.revision;
   return steps;
+}
+
+void ClusterSaves::NoteBegun(const std::vector<SaveNode>& saving,
+                             const std::vector<PendingStep>& pending) {
+  std::set<int64_t> here;
+  for (const SaveNode& s : saving) here.insert(s.step);
+  for (const PendingStep& p : pending) here.insert(p.record.step);
+  for (int64_t step : here) begun_.try_emplace(step, last_revision_);
+  std::erase_if(begun_, [&](const auto& b) {
+    return !here.contains(b.first) && !voted_.contains(b.first);
+  });
+}
+
+absl::Status ClusterSaves::WithdrawAbandoned(std::map<int64_t, StepKeys>& steps,
+                                             const std::set<int64_t>& saved) {
+  for (auto& [step, keys] : steps) {
+    // (A vote of this host's own for copies of other hosts' shards does
+    // not save its part: the step would wait for that forever too.)
+    if (keys.committed || keys.votes.empty() || saved.contains(step)) {
+      continue;
+    }
+    // The step began on some host before this one started (a vote from a
+    // version that does not say when counts as later: it waits, as before).
+    bool earlier = false;
+    std::optional<ParallelConfig> config;
+    for (const auto& [host, kv] : keys.votes) {
+      const nlohmann::json j = nlohmann::json::parse(kv.value, nullptr, false);
+      if (!j.is_object()) continue;
+      if (j.contains("begun") && j["begun"].is_number_integer() &&
+          j["begun"].get<int64_t>() < since_) {
+        earlier = true;
+      }
+      if (!config && j.contains("config") && j["config"].is_string()) {
+        absl::StatusOr<ParallelConfig> parsed =
+            ParallelConfig::Parse(j["config"].get<std::string>());
+        if (parsed.ok()) config = *std::move(parsed);
+      }
+    }
+    if (earlier && config && Voters(*config).contains(host_)) {
+      RETURN_IF_ERROR(Withdraw(step));
+      keys.votes.clear();
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ClusterSaves::Reconcile() {
   ASSIGN_OR_RETURN(std::vector<PendingStep> pending,
                    job_.store().PendingSteps());
   ASSIGN_OR_RETURN(auto steps, ReadSaves());
+  since_ = last_revision_;
   std::set<int64_t> saved;  // steps whose part this host's workers saved
   for (const PendingStep& p : pending) {
     if (p.saved) saved.insert(p.record.step);
     StepKeys& keys = steps[p.record.step];
+    // Begun before this start; the vote given then says when.
+    begun_[p.record.step] = since_;
     if (keys.committed) {
       RETURN_IF_ERROR(Record(p.record.step, *keys.committed));
     } else if (auto vote = keys.votes.find(host_); vote != keys.votes.end()) {
       voted_[p.record.step] = vote->second.value;  // waiting for the others
+      const nlohmann::json j =
+          nlohmann::json::parse(vote->second.value, nullptr, false);
+      if (j.is_object() && j.contains("begun") &&
+          j["begun"].is_number_integer()) {
+        begun_[p.record.step] = j["begun"].get<int64_t>();
+      }
     }
     // Otherwise this host saved its part and stopped before it voted:
     // the next round votes.
@@ -252,6 +306,8 @@ absl::StatusOr<std::string> ClusterSaves::VoteFor(const PendingStep& pending) {
   const StepRecord& record = pending.record;
   ASSIGN_OR_RETURN(ParallelConfig config, ParallelConfig::Parse(record.config));
   nlohmann::json vote = StepJson(record);
+  if (auto begun = begun_.find(record.step); begun != begun_.end())
+    vote["begun"] = begun->second;
   vote["held"] = record.held.value_or(std::vector<int>());
   vote["saved"] = pending.saved;
   vote["replicas"] = options_.replicas;
@@ -448,6 +504,7 @@ absl::StatusOr<bool> ClusterSaves::DropDifferingReplicas(
 void ClusterSaves::Forget(int64_t step) {
   voted_.erase(step);
   data_sums_.erase(step);
+  begun_.erase(step);
 }
 
 absl::StatusOr<bool> ClusterSaves::TryCommit(int64_t step, StepKeys& keys) {
@@ -538,6 +595,9 @@ absl::StatusOr<bool> ClusterSaves::TryCommit(int64_t step, StepKeys& keys) {
 }
 
 absl::Status ClusterSaves::Advance() {
+  // Listed before etcd is read: the read's revision is then no earlier than
+  // the beginning of any step first seen here.
+  const std::vector<SaveNode> saving = job_.saves().Steps();
   ASSIGN_OR_RETURN(std::vector<PendingStep> pending,
                    job_.store().PendingSteps());
   // What this round may act on: steps pending here, and steps from the
@@ -548,6 +608,7 @@ absl::Status ClusterSaves::Advance() {
   int64_t from = std::max<int64_t>(newest, 0);
   for (const PendingStep& p : pending) from = std::min(from, p.record.step);
   ASSIGN_OR_RETURN(auto steps, ReadSaves(from));
+  NoteBegun(saving, pending);
   // Extra replicas are copied on their own thread, so that the beat (and
   // the lease it renews) never waits for the bytes; the round after they
   // are in votes for them.
@@ -600,6 +661,11 @@ absl::Status ClusterSaves::Advance() {
       RETURN_IF_ERROR(Vote(p, keys));
     }
   }
+  std::set<int64_t> saved;
+  for (const PendingStep& p : pending) {
+    if (p.saved) saved.insert(p.record.step);
+  }
+  RETURN_IF_ERROR(WithdrawAbandoned(steps, saved));
   for (auto& [step, keys] : steps) {
     if (!keys.committed && !keys.votes.empty()) {
       absl::StatusOr<bool> committed = TryCommit(step, keys);

@@ -19,9 +19,13 @@
 //     peers), and with a copy of every extra/ file other hosts saved.
 //
 // A step some host did not finish is dropped everywhere: a host that starts
-// again finds the votes of a step it never voted for, withdraws them (in a
+// again withdraws the votes of every step it had to save and has not (in a
 // transaction that a commit cannot race), and every host whose vote is gone
-// drops its part.
+// drops its part. That holds for the votes there at its start and for
+// those that come later: each vote says when its host began the step
+// (`begun`, an etcd revision read after its first directory was made), and
+// a host that started after that revision knows that its own part of the
+// step went with the mount that ended.
 //
 //   ClusterSaves saves(job, *etcd, "h0", [](auto& what) { return key; });
 //   RETURN_IF_ERROR(saves.Reconcile());  // once, at the host's start
@@ -43,6 +47,7 @@
 #include "absl/status/statusor.h"
 #include "fs/cluster_coverage.h"
 #include "fs/job.h"
+#include "fs/save_area.h"
 #include "nlohmann/json.hpp"
 #include "ptc/parallel_config.h"
 #include "transfer/etcd_client.h"
@@ -113,8 +118,18 @@ class ClusterSaves {
     std::optional<EtcdClient::KeyValue> committed;
   };
   // The keys of steps `from` and later: a beat reads only the steps it
-  // may still act on, not every step the job ever saved.
+  // may still act on, not every step the job ever saved. Notes the
+  // revision read at (last_revision_).
   absl::StatusOr<std::map<int64_t, StepKeys>> ReadSaves(int64_t from = 0);
+  // Notes when each step being saved here (`saving`, `pending`: listed
+  // before the last read) began: the revision of the first read after it
+  // was seen, which is no earlier.
+  void NoteBegun(const std::vector<SaveNode>& saving,
+                 const std::vector<PendingStep>& pending);
+  // Withdraws the steps that began elsewhere before this host started,
+  // that it had to save and has not: the mount that ended took its part.
+  absl::Status WithdrawAbandoned(std::map<int64_t, StepKeys>& steps,
+                                 const std::set<int64_t>& saved);
   std::string StepPrefix(int64_t step) const;
   // The vote for what this host holds of a pending step.
   absl::StatusOr<std::string> VoteFor(const PendingStep& pending);
@@ -163,6 +178,13 @@ class ClusterSaves {
   // the caller of Reconcile and Advance (one thread) uses them.
   std::map<int64_t, std::string> voted_;
   std::map<int64_t, std::map<std::string, std::string>> data_sums_;
+  // The revision this host started at (Reconcile's read), and that of the
+  // last read of the saves.
+  int64_t since_ = 0;
+  int64_t last_revision_ = 0;
+  // When each step being saved here began: a revision read after its
+  // first directory was made, so no earlier than that.
+  std::map<int64_t, int64_t> begun_;
   mutable std::mutex mu_;
   nlohmann::json status_ = nlohmann::json::array();  // guarded by mu_
   std::vector<std::string> refused_;                 // guarded by mu_

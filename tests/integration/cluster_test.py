@@ -879,6 +879,38 @@ def saved_across_hosts(seed, net, mnts, mount, mounts, tmp):
         check_bytes(m, full, config, LAYERS, DIVISOR)
         check_extras(m, 30)
     print("step 30 saved while h1 was cut off: committed everywhere once it was back")
+
+    # Step 35: every host begins it and h3's mount ends before any host has
+    # voted. The others vote after h3 is mounted again; their votes say the
+    # step began before h3 started, so h3 withdraws them and the step is
+    # dropped everywhere rather than waiting for h3 forever.
+    _, shards35 = model(35)
+    for h in HOSTS:
+        save_ranks(mnts[h], 35, config, shards35, host_ranks(h)[:1])
+    time.sleep(1)  # two beats: each host has noted when it began the step
+    kill_host("h3", mnts, mounts, tmp)
+    mount("h3")
+    wait_all(mnts, config)
+    for h in ["h0", "h1", "h2"]:
+        save_ranks(mnts[h], 35, config, shards35, host_ranks(h)[1:])
+    deadline = time.time() + 30
+    while any(status(m)["saving"] or saves_waiting(m) for m in mnts.values()):
+        assert time.time() < deadline, {
+            h: (status(m)["saving"], cluster_status(m)["saves"]) for h, m in mnts.items()}
+        time.sleep(0.1)
+    for h, m in mnts.items():
+        assert latest(m) == "step-00000030", (h, latest(m))
+        assert "step-00000035" not in os.listdir(f"{m}/ckpt"), (h, os.listdir(f"{m}/ckpt"))
+    # The step number is free again.
+    full, shards = model(36)
+    for h in HOSTS:
+        save_ranks(mnts[h], 35, config, shards, host_ranks(h))
+    wait_latest(mnts, 35)
+    for m in mnts.values():
+        check_bytes(m, full, config, LAYERS, DIVISOR)
+        check_extras(m, 35)
+    print("h3 killed before any host voted for step 35: the later votes were withdrawn, "
+          "the step dropped everywhere and saved again")
     return config
 
 
