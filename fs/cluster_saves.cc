@@ -83,20 +83,22 @@ absl::StatusOr<uint64_t> TensorBytesSum(const Store& store,
       at += n;
     }
   }
-  const std::vector<uint64_t> sums = hasher.Finish();
-  return HashChunk(sums.data(),
-                   static_cast<int64_t>(sums.size() * sizeof(uint64_t)));
+  return ChunkSumsDigest(hasher.Finish());
 }
 
-// A shard as a vote describes it, for a host that copies it.
+// A shard as a vote describes it: the checksum of its tensor bytes
+// (`data`, for replicas compared across hosts), and, for a host that
+// copies it (`for_copy`), its blobs and where each tensor lies in them.
+// Nothing in it grows with the shard's bytes: a vote lists every shard of
+// a host's part, and etcd refuses values over 1.5 MiB.
 nlohmann::json ShardJson(const Store& store, const ShardRecord& shard,
-                         const std::string& data) {
+                         const std::string& data, bool for_copy) {
+  if (!for_copy) return {{"data", data}};
   nlohmann::json blobs = nlohmann::json::array();
   for (const std::string& name : shard.blobs) {
     absl::StatusOr<BlobRecord> blob = store.Blob(name);
     if (!blob.ok()) return nullptr;
-    blobs.push_back(
-        {{"size", blob->size}, {"sums", EncodeChunkSums(blob->chunks)}});
+    blobs.push_back(BlobDescription::Of(*blob).ToJson());
   }
   nlohmann::json tensors = nlohmann::json::array();
   for (const ShardRecord::Location& t : shard.tensors)
@@ -314,14 +316,15 @@ absl::StatusOr<std::string> ClusterSaves::VoteFor(const PendingStep& pending) {
   // Each shard held; those saved here by the group's saver are
   // "own", for the next host to copy. Under dp > 1, where other hosts' ranks
   // may save replicas of them, with the checksum of its tensor bytes (a
-  // copy is checked against the chunk sums instead).
+  // copy is checked against its blobs' digests instead).
   nlohmann::json shards = nlohmann::json::object();
   for (const auto& [g, shard] : pending.shards) {
     std::string data;
     if (config.dp() > 1) {
       ASSIGN_OR_RETURN(data, DataSum(record.step, shard));
     }
-    nlohmann::json j = ShardJson(job_.store(), shard, data);
+    nlohmann::json j =
+        ShardJson(job_.store(), shard, data, options_.replicas >= 2);
     if (j.is_null()) {
       return absl::DataLossError(absl::StrCat("step ", record.step, " group ",
                                               g, ": a blob has no record"));
@@ -338,9 +341,9 @@ absl::StatusOr<std::string> ClusterSaves::VoteFor(const PendingStep& pending) {
     nlohmann::json list = nlohmann::json::array();
     for (const ExtraFile& f : files) {
       ASSIGN_OR_RETURN(BlobRecord blob, job_.store().Blob(f.blob));
-      list.push_back({{"path", f.path},
-                      {"size", f.size},
-                      {"sums", EncodeChunkSums(blob.chunks)}});
+      nlohmann::json described = BlobDescription::Of(blob).ToJson();
+      described["path"] = f.path;
+      list.push_back(std::move(described));
     }
     extra[std::to_string(rank)] = {{"host", host_}, {"files", list}};
   }
@@ -406,10 +409,8 @@ absl::Status ClusterSaves::Copy(const WantedCopy& want) {
       const nlohmann::json& list = j.at("blobs");
       for (size_t b = 0; b < list.size(); ++b) {
         RemoteBlob remote;
-        remote.size = list[b].at("size").get<int64_t>();
-        ASSIGN_OR_RETURN(
-            remote.sums,
-            DecodeChunkSums(list[b].at("sums").get<std::string>()));
+        ASSIGN_OR_RETURN(remote.described,
+                         BlobDescription::FromJson(list.at(b)));
         remote.read = [&, group = g, b](int64_t offset, int64_t length,
                                         char* out) -> absl::StatusOr<int64_t> {
           if (stopping_) return absl::CancelledError("the host is leaving");
@@ -748,9 +749,7 @@ absl::Status ClusterSaves::Record(int64_t step,
         extra.rank = rank;
         try {
           extra.path = f.at("path").get<std::string>();
-          extra.size = f.at("size").get<int64_t>();
-          ASSIGN_OR_RETURN(extra.sums,
-                           DecodeChunkSums(f.at("sums").get<std::string>()));
+          ASSIGN_OR_RETURN(extra.described, BlobDescription::FromJson(f));
         } catch (const std::exception&) {
           return absl::DataLossError(
               absl::StrCat("etcd key ", committed.key,

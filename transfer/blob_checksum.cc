@@ -79,6 +79,11 @@ void ChunkHasher::Reset() {
   sums_.clear();
 }
 
+uint64_t ChunkSumsDigest(const std::vector<uint64_t>& sums) {
+  return HashChunk(sums.data(),
+                   static_cast<int64_t>(sums.size() * sizeof(uint64_t)));
+}
+
 std::string EncodeChunkSums(const std::vector<uint64_t>& sums) {
   std::string hex;
   hex.reserve(16 * sums.size());

@@ -56,6 +56,11 @@ class ChunkHasher {
 };
 
 // Chunk sums as the catalog stores them: 16 hex digits a chunk.
+// One sum standing for a blob's chunk sums, in order (their XXH3): what a
+// description of the blob carries where its size must not grow with the
+// blob's, as a value in etcd does (transfer/blob_copy.h).
+uint64_t ChunkSumsDigest(const std::vector<uint64_t>& sums);
+
 std::string EncodeChunkSums(const std::vector<uint64_t>& sums);
 absl::StatusOr<std::vector<uint64_t>> DecodeChunkSums(absl::string_view hex);
 

@@ -946,6 +946,49 @@ TEST_F(PeerTest, AStepStoredAgainUnderAConfigSeenBeforeIsServedAsHeldNow) {
   read(1);
 }
 
+// How a host describes a blob to the others (in etcd): a few dozen bytes
+// whatever the blob's size, read back as written; the description of an
+// earlier version, every chunk's sum, read as the same; anything else
+// refused with what it is.
+TEST(BlobDescriptionTest, StaysSmallForAnySizeAndReadsTheEarlierForm) {
+  BlobRecord huge;
+  huge.size = int64_t{1} << 40;  // 1 TiB: a million chunks
+  huge.chunks.resize(static_cast<size_t>(ChunkCount(huge.size)));
+  for (size_t i = 0; i < huge.chunks.size(); ++i)
+    huge.chunks[i] = i * 0x9e3779b97f4a7c15ull;
+  const BlobDescription d = BlobDescription::Of(huge);
+  const std::string text = d.ToJson().dump();
+  EXPECT_LT(text.size(), 64u) << text;
+  auto back = BlobDescription::FromJson(nlohmann::json::parse(text));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->size, huge.size);
+  EXPECT_EQ(back->digest, d.digest);
+  // One chunk's sum changed, or two swapped: another digest.
+  BlobRecord changed = huge;
+  changed.chunks[123456] ^= 1;
+  EXPECT_NE(BlobDescription::Of(changed).digest, d.digest);
+  std::swap(changed.chunks[0], changed.chunks[1]);
+  changed.chunks[123456] ^= 1;
+  EXPECT_NE(BlobDescription::Of(changed).digest, d.digest);
+
+  BlobRecord small;
+  small.size = 3 * kBlobChunkBytes / 2;
+  small.chunks = {1, 2};
+  auto earlier = BlobDescription::FromJson(
+      {{"size", small.size}, {"sums", EncodeChunkSums(small.chunks)}});
+  ASSERT_TRUE(earlier.ok()) << earlier.status();
+  EXPECT_EQ(earlier->digest, BlobDescription::Of(small).digest);
+
+  for (const char* bad :
+       {R"({"size": 5})", R"({"digest": "0000000000000001"})",
+        R"({"size": -1, "digest": "0000000000000001"})",
+        R"({"size": 5, "digest": "00000000000000010000000000000002"})",
+        R"({"size": 5, "digest": "not hex at all!!"})", R"([1, 2])"}) {
+    auto refused = BlobDescription::FromJson(nlohmann::json::parse(bad));
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss) << bad;
+  }
+}
+
 // A rank's extra file, saved on one host, copied into another host's store
 // (CopyExtraFile): the same bytes, checked against the saving host's sums;
 // a copy that does not match them, or of a file the host does not hold, is
@@ -975,8 +1018,7 @@ TEST_F(PeerTest, ExtraFilesAreCopiedFromTheHostThatSavedThemChecked) {
   ASSERT_TRUE((*writer)->CloseExtra(1, "rng/state.bin", *extra).ok());
   ASSERT_TRUE((*writer)->Commit().ok());
   const StepRecord step = **store_->FindStep(43);
-  const std::vector<uint64_t> sums =
-      store_->Blob(step.extra.at(1)[0].blob)->chunks;
+  const BlobRecord saved = *store_->Blob(step.extra.at(1)[0].blob);
 
   auto server = StartServer();
   ASSERT_NE(server, nullptr);
@@ -988,17 +1030,20 @@ TEST_F(PeerTest, ExtraFilesAreCopiedFromTheHostThatSavedThemChecked) {
     return std::distance(fs::directory_iterator(other->blob_dir()),
                          fs::directory_iterator());
   };
-  RemoteExtra want{43, 1, "rng/state.bin", static_cast<int64_t>(state.size()),
-                   sums};
+  RemoteExtra want{43, 1, "rng/state.bin", BlobDescription::Of(saved)};
+  ASSERT_EQ(want.described.size, static_cast<int64_t>(state.size()));
   auto copy = CopyExtraFile(*other, client, want);
   ASSERT_TRUE(copy.ok()) << copy.status();
   EXPECT_EQ(copy->file.size, static_cast<int64_t>(state.size()));
-  EXPECT_EQ(copy->record.chunks, sums);
+  EXPECT_EQ(copy->record.chunks, saved.chunks);
   EXPECT_EQ(ReadAll(other->BlobPath(copy->file.blob)), state);
   EXPECT_EQ(blob_files(), 1);
 
+  // The description of a blob whose second chunk differs.
+  BlobRecord other_bytes = saved;
+  other_bytes.chunks[1] ^= 1;
   RemoteExtra damaged = want;
-  damaged.sums[1] ^= 1;
+  damaged.described = BlobDescription::Of(other_bytes);
   auto refused = CopyExtraFile(*other, client, damaged);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
   EXPECT_NE(refused.status().message().find("does not match"),
