@@ -16,6 +16,7 @@
 #include "ptc/layout.h"
 #include "ptc/status_macros.h"
 #include "transfer/etcd_client.h"
+#include "transfer/etcd_large_value.h"
 #include "transfer/files.h"
 #include "transfer/importer.h"
 #include "transfer/peer_client.h"
@@ -150,10 +151,8 @@ absl::Status FillStoreFromCluster(const ClusterFile& cluster,
   }
   ASSIGN_OR_RETURN(Layout layout,
                    Layout::FromJson(layout_kv->value, "the cluster's layout"));
-  ASSIGN_OR_RETURN(std::optional<EtcdClient::KeyValue> model_kv,
-                   etcd->Get(ClusterMember::Key(cluster.job, "model")));
-  std::optional<std::string> model;
-  if (model_kv) model = model_kv->value;
+  ASSIGN_OR_RETURN(std::optional<std::string> model,
+                   GetLarge(*etcd, ClusterMember::Key(cluster.job, "model")));
   ASSIGN_OR_RETURN(
       EtcdClient::Snapshot members,
       etcd->GetPrefix(ClusterMember::Key(cluster.job, "members/")));

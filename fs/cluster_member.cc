@@ -9,6 +9,7 @@
 #include "fs/cluster_coverage.h"
 #include "fs/cluster_datasets.h"
 #include "ptc/status_macros.h"
+#include "transfer/etcd_large_value.h"
 
 namespace scalai {
 namespace {
@@ -81,12 +82,12 @@ absl::Status ClusterMember::Start() {
   RETURN_IF_ERROR(etcd_->Commit(create).status());
   // The model, tensors in the store's order: the peers name a tensor by its
   // index in it, so a host that joins with an empty store takes this order.
+  // A model of tens of thousands of tensors passes what etcd takes in one
+  // request: it goes in parts.
   if (job_.store().model() != nullptr) {
-    EtcdClient::Txn model;
-    model.conditions.push_back({Key("model"), 0});
-    model.puts.push_back(
-        {Key("model"), Store::EncodeModel(*job_.store().model())});
-    RETURN_IF_ERROR(etcd_->Commit(model).status());
+    RETURN_IF_ERROR(PutLargeIfAbsent(*etcd_, Key("model"),
+                                     Store::EncodeModel(*job_.store().model()))
+                        .status());
   }
   ASSIGN_OR_RETURN(std::optional<EtcdClient::KeyValue> kv,
                    etcd_->Get(Key("config")));
@@ -578,22 +579,25 @@ void ClusterMember::RecordProgress() {
 }
 
 void ClusterMember::ReadCluster() {
-  absl::StatusOr<EtcdClient::Snapshot> keys = etcd_->GetPrefix(Key(""));
-  if (!keys.ok()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    etcd_error_ = std::string(keys.status().message());
-    return;
-  }
-  std::map<std::string, nlohmann::json> live, progress;
+  // Only the members and their progress: the job's other keys (its model,
+  // every step committed) grow with the job, and a beat reading them all
+  // would pass gRPC's 4 MiB a message on a long job and fail at every beat.
   const std::string members = Key("members/");
   const std::string done = Key("progress/");
-  for (const EtcdClient::KeyValue& kv : keys->kvs) {
-    nlohmann::json value = nlohmann::json::parse(kv.value, nullptr, false);
-    if (value.is_discarded()) continue;
-    if (kv.key.rfind(members, 0) == 0)
-      live[kv.key.substr(members.size())] = value;
-    if (kv.key.rfind(done, 0) == 0)
-      progress[kv.key.substr(done.size())] = value;
+  std::map<std::string, nlohmann::json> live, progress;
+  for (const auto& [prefix, into] :
+       {std::pair{&members, &live}, std::pair{&done, &progress}}) {
+    absl::StatusOr<EtcdClient::Snapshot> keys = etcd_->GetPrefix(*prefix);
+    if (!keys.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      etcd_error_ = std::string(keys.status().message());
+      return;
+    }
+    for (const EtcdClient::KeyValue& kv : keys->kvs) {
+      nlohmann::json value = nlohmann::json::parse(kv.value, nullptr, false);
+      if (!value.is_discarded())
+        (*into)[kv.key.substr(prefix->size())] = std::move(value);
+    }
   }
   nlohmann::json hosts = nlohmann::json::array();
   for (const ClusterHost& h : cluster_.hosts) {

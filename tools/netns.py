@@ -134,9 +134,10 @@ class Etcd:
                 stdout=log, stderr=subprocess.STDOUT)
         self.endpoints = [f"http://{net.address[n]}:2379" for n in names]
 
-    def ctl(self, via, *args):
+    def ctl(self, via, *args, **kw):
         return self.net.run(via, "etcdctl", f"--endpoints={','.join(self.endpoints)}", *args,
-                            capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"})
+                            capture_output=True, text=True, env={**os.environ, "ETCDCTL_API": "3"},
+                            **kw)
 
     def wait_healthy(self, via, timeout=60):
         deadline = time.time() + timeout

@@ -216,6 +216,12 @@ def main():
         try:
             etcd = Etcd(net, MEMBERS, tmp)
             etcd.wait_healthy("h0")
+            # The job's keys grow as it runs (every step committed stays):
+            # 5 MiB of keys no beat needs, more than gRPC takes in one
+            # message, so that a beat reading them all fails throughout.
+            for i in range(5):
+                p = etcd.ctl("h0", "put", f"/scalai/gpt/filler/{i}", input="x" * (1 << 20))
+                assert p.returncode == 0, p.stderr
             with open(f"{tmp}/token", "w") as f:
                 f.write("cluster-test-token-%d\n" % seed)
             cluster = f"{tmp}/cluster.json"
@@ -248,6 +254,8 @@ def main():
             text = run("cluster", "status", mnts["h2"]).stdout
             print(text)
             assert "seen from h2" in text and text.count(" yes ") == 4, text
+            for h, m in mnts.items():
+                assert cluster_status(m)["etcd_error"] is None, (h, cluster_status(m))
 
             # Whether a view fetches bytes before the materialization stores
             # them is a race; check_fetched counts both, so that a byte

@@ -1,6 +1,7 @@
 // The etcd client against a real etcd member (Debian's etcd-server): keys
 // read and written, transactions that apply whole or not at all, leases
-// whose keys go with them, and watches that see every change in order.
+// whose keys go with them, watches that see every change in order, and
+// values larger than one request, put in parts (etcd_large_value.h).
 #include "transfer/etcd_client.h"
 
 #include <unistd.h>
@@ -10,7 +11,9 @@
 
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/etcd_member.h"
+#include "transfer/etcd_large_value.h"
 
 namespace scalai {
 namespace {
@@ -62,6 +65,66 @@ TEST_F(EtcdClientTest, KeysAreWrittenAndReadBackByKeyAndPrefix) {
   EXPECT_EQ(hosts->kvs[1].key, "/job/hosts/h1");
   EXPECT_GE(hosts->revision, *first + 3);
   EXPECT_EQ(etcd_->GetPrefix("/job/")->kvs.size(), 3u);
+}
+
+// A value over what etcd takes in one request (1.5 MiB) is refused put
+// whole, goes in parts, and reads back; a second writer finds it there; a
+// small value is put as it is; a part changed or lost is an error naming
+// the key, never a wrong value.
+TEST_F(EtcdClientTest, LargeValuesGoInPartsAndReadBackChecked) {
+  std::string value(5 * kEtcdPartBytes + 123, '\0');
+  for (size_t i = 0; i < value.size(); ++i)
+    value[i] = static_cast<char>((i * 2654435761u) >> 13);
+  EXPECT_FALSE(etcd_->PutValue("/job/whole", value).ok());
+
+  auto put = PutLargeIfAbsent(*etcd_, "/job/model", value);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_TRUE(*put);
+  auto got = GetLarge(*etcd_, "/job/model");
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_TRUE(got->has_value());
+  EXPECT_TRUE(**got == value);
+  // The key names its parts: /job/model/parts/XXH3/00000000 and on.
+  const std::string named = (*etcd_->Get("/job/model"))->value;
+  ASSERT_EQ(named.rfind("scalai-parts:", 0), 0u) << named;
+  const nlohmann::json j = nlohmann::json::parse(named.substr(13));
+  EXPECT_EQ(j["parts"], 6);
+  EXPECT_EQ(j["bytes"], value.size());
+  const std::string part_prefix =
+      "/job/model/parts/" + j["xxh3"].get<std::string>() + "/";
+  for (int p = 0; p < 6; ++p) {
+    auto part = etcd_->Get(absl::StrFormat("%s%08d", part_prefix, p));
+    ASSERT_TRUE(part.ok() && part->has_value()) << p;
+    EXPECT_TRUE((*part)->value ==
+                value.substr(static_cast<size_t>(p * kEtcdPartBytes),
+                             static_cast<size_t>(kEtcdPartBytes)));
+  }
+
+  auto again = PutLargeIfAbsent(*etcd_, "/job/model", value.substr(1));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_FALSE(*again);
+  EXPECT_TRUE(**GetLarge(*etcd_, "/job/model") == value);
+  EXPECT_EQ((*etcd_->Get("/job/model"))->value, named);
+
+  ASSERT_TRUE(*PutLargeIfAbsent(*etcd_, "/job/layout", "{\"rules\": []}"));
+  EXPECT_EQ((*etcd_->Get("/job/layout"))->value, "{\"rules\": []}");
+  EXPECT_EQ(**GetLarge(*etcd_, "/job/layout"), "{\"rules\": []}");
+  EXPECT_FALSE(GetLarge(*etcd_, "/job/none")->has_value());
+
+  const std::string third = absl::StrFormat("%s%08d", part_prefix, 2);
+  ASSERT_TRUE(etcd_->PutValue(third, "x").ok());
+  auto changed = GetLarge(*etcd_, "/job/model");
+  EXPECT_EQ(changed.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(changed.status().message().find("/job/model: its 6 parts do not"),
+            std::string::npos)
+      << changed.status();
+  EtcdClient::Txn lose;
+  lose.deletes.push_back(third);
+  ASSERT_TRUE(etcd_->Commit(lose).ok());
+  auto lost = GetLarge(*etcd_, "/job/model");
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(lost.status().message().find("is missing"), std::string::npos)
+      << lost.status();
 }
 
 TEST_F(EtcdClientTest, TransactionsApplyWholeOrNotAtAll) {
