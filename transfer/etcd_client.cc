@@ -165,7 +165,13 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(
     credentials = grpc::InsecureChannelCredentials();
   }
   auto stubs = std::make_unique<Stubs>();
-  stubs->channel = grpc::CreateChannel(Target(endpoints), credentials);
+  // A read of a prefix answers in one message, which gRPC caps at 4 MiB
+  // unless told otherwise; a job's keys pass that as it runs. etcd bounds
+  // it already: its database is at most its quota (2 GiB by default).
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  stubs->channel =
+      grpc::CreateCustomChannel(Target(endpoints), credentials, args);
   stubs->kv = pb::KV::NewStub(stubs->channel);
   stubs->watch = pb::Watch::NewStub(stubs->channel);
   stubs->lease = pb::Lease::NewStub(stubs->channel);

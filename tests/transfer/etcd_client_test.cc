@@ -65,6 +65,14 @@ TEST_F(EtcdClientTest, KeysAreWrittenAndReadBackByKeyAndPrefix) {
   EXPECT_EQ(hosts->kvs[1].key, "/job/hosts/h1");
   EXPECT_GE(hosts->revision, *first + 3);
   EXPECT_EQ(etcd_->GetPrefix("/job/")->kvs.size(), 3u);
+  // A prefix of more than gRPC's default 4 MiB a message, read whole.
+  const std::string mib(1 << 20, 'm');
+  for (int i = 0; i < 5; ++i)
+    ASSERT_TRUE(etcd_->PutValue(absl::StrFormat("/big/%d", i), mib).ok());
+  auto big = etcd_->GetPrefix("/big/");
+  ASSERT_TRUE(big.ok()) << big.status();
+  ASSERT_EQ(big->kvs.size(), 5u);
+  EXPECT_TRUE(big->kvs[4].value == mib);
 }
 
 // A value over what etcd takes in one request (1.5 MiB) is refused put
