@@ -89,12 +89,16 @@ absl::Status ClusterMember::Start() {
                                      Store::EncodeModel(*job_.store().model()))
                         .status());
   }
-  ASSIGN_OR_RETURN(std::optional<EtcdClient::KeyValue> kv,
-                   etcd_->Get(Key("config")));
-  if (!kv) {
+  // Read with the revision it was read at: the watch starts there (the
+  // history before the config's last change may be compacted).
+  ASSIGN_OR_RETURN(
+      EtcdClient::Snapshot read,
+      etcd_->GetRange(Key("config"), Key("config") + std::string(1, '\0')));
+  if (read.kvs.empty()) {
     return absl::UnavailableError(
         absl::StrCat("etcd lost the cluster's config key ", Key("config")));
   }
+  const EtcdClient::KeyValue* kv = &read.kvs.front();
   ASSIGN_OR_RETURN(Agreed agreed, ParseAgreed(kv->value));
   // The peers, before any view of the cluster's config is built: those
   // views read what this host does not hold through them.
@@ -144,7 +148,7 @@ absl::Status ClusterMember::Start() {
   };
   ASSIGN_OR_RETURN(peers_, PeerServer::Start(job_.store(), peer));
   RETURN_IF_ERROR(Register());
-  RETURN_IF_ERROR(Watch(kv->mod_revision));
+  RETURN_IF_ERROR(Watch(read.revision));
   // Saves across hosts: what the cluster decided while this host was away
   // first, then this host's saves go through the cluster.
   saves_ = std::make_unique<ClusterSaves>(
@@ -167,7 +171,7 @@ absl::Status ClusterMember::Start() {
       [this](const ParallelConfig& config) { return Propose(config); });
   job_.SetStatusSection("cluster", [this] { return StatusSection(); });
   RecordProgress();
-  ReadCluster();
+  CompactHistory(ReadCluster());
   for (const auto& [name, reason] : datasets_refused_) job_.ReportError(reason);
   beat_ = std::thread([this] { Beat(); });
   check_ = std::thread([this] { CheckPeers(); });
@@ -398,12 +402,15 @@ void ClusterMember::Beat() {
     }
     if (s.ok() && !watching) {
       // The watch ended (etcd restarted, a leader lost): catch up on what
-      // was missed, then watch again from there.
-      absl::StatusOr<std::optional<EtcdClient::KeyValue>> kv =
-          etcd_->Get(Key("config"));
-      s = kv.status();
-      if (s.ok() && *kv) Apply(**kv);
-      if (s.ok()) s = Watch(std::max(revision, *kv ? (*kv)->mod_revision : 0));
+      // was missed, then watch again from the revision read at, which
+      // compaction has not forgotten (a watch from the config's last
+      // change would be refused once the history before was compacted).
+      const std::string key = Key("config");
+      absl::StatusOr<EtcdClient::Snapshot> read =
+          etcd_->GetRange(key, key + std::string(1, '\0'));
+      s = read.status();
+      if (s.ok() && !read->kvs.empty()) Apply(read->kvs.front());
+      if (s.ok()) s = Watch(std::max(revision, read->revision));
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -411,7 +418,7 @@ void ClusterMember::Beat() {
     }
     if (s.ok()) {
       RecordProgress();
-      ReadCluster();
+      CompactHistory(ReadCluster());
       ReleaseWhenAllFinished();
       RetryWhenPeerBack();
       if (absl::Status saved = saves_->Advance(); !saved.ok()) {
@@ -578,21 +585,23 @@ void ClusterMember::RecordProgress() {
   }
 }
 
-void ClusterMember::ReadCluster() {
+int64_t ClusterMember::ReadCluster() {
   // Only the members and their progress: the job's other keys (its model,
   // every step committed) grow with the job, and a beat reading them all
   // would pass gRPC's 4 MiB a message on a long job and fail at every beat.
   const std::string members = Key("members/");
   const std::string done = Key("progress/");
   std::map<std::string, nlohmann::json> live, progress;
+  int64_t revision = 0;
   for (const auto& [prefix, into] :
        {std::pair{&members, &live}, std::pair{&done, &progress}}) {
     absl::StatusOr<EtcdClient::Snapshot> keys = etcd_->GetPrefix(*prefix);
     if (!keys.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       etcd_error_ = std::string(keys.status().message());
-      return;
+      return 0;
     }
+    revision = keys->revision;
     for (const EtcdClient::KeyValue& kv : keys->kvs) {
       nlohmann::json value = nlohmann::json::parse(kv.value, nullptr, false);
       if (!value.is_discarded())
@@ -611,6 +620,24 @@ void ClusterMember::ReadCluster() {
   }
   std::lock_guard<std::mutex> lock(mu_);
   hosts_ = std::move(hosts);
+  return revision;
+}
+
+void ClusterMember::CompactHistory(int64_t now_revision) {
+  if (now_revision <= 0) return;
+  const absl::Time now = absl::Now();
+  if (now - history_marked_ < cluster_.etcd_history) return;
+  // Every host does this; compacting where another host already has is
+  // no error. A watch that ends starts again from a revision read then
+  // (Beat), never from one this forgot.
+  if (history_mark_ > 0) {
+    if (absl::Status s = etcd_->Compact(history_mark_); !s.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      etcd_error_ = std::string(s.message());
+    }
+  }
+  history_mark_ = now_revision;
+  history_marked_ = now;
 }
 
 nlohmann::json ClusterMember::StatusSection() {

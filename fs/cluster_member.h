@@ -94,7 +94,13 @@ class ClusterMember {
   // Ends the beat's wait: a config applied or a step saved is acted on now.
   void BeatNow();
   void RecordProgress();
-  void ReadCluster();
+  // Reads the members and their progress; returns the revision read at
+  // (0 when etcd did not answer).
+  int64_t ReadCluster();
+  // Once per cluster_.etcd_history, compacts etcd's history to the
+  // revision read one period before (`now_revision` is read now): etcd's
+  // database would otherwise grow with every change, to its quota.
+  void CompactHistory(int64_t now_revision);
   // Once every host the cluster's config needs is live and has finished
   // materializing it, the shards kept for peers are released.
   void ReleaseWhenAllFinished();
@@ -145,6 +151,9 @@ class ClusterMember {
   int64_t bytes_held_ = 0;
   std::vector<HostHolding> holdings_;  // what this host's store holds
   std::string bytes_held_key_;
+  // The revision to compact to next, and when it was read (beat only).
+  int64_t history_mark_ = 0;
+  absl::Time history_marked_ = absl::InfinitePast();
   std::unique_ptr<EtcdClient::Watch> watch_;
   std::unique_ptr<EtcdClient::Watch> saves_watch_;  // wakes the beat
   // The other hosts: a client each for the checks and one for bytes (with

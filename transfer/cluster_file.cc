@@ -77,8 +77,8 @@ absl::StatusOr<ClusterFile> ClusterFile::Parse(absl::string_view text,
   nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
   if (j.is_discarded() || !j.is_object()) return Bad("not a JSON object");
   for (const auto& [key, value] : j.items()) {
-    static const std::set<std::string> kKnown = {"job", "etcd", "token_file",
-                                                 "tls", "hosts"};
+    static const std::set<std::string> kKnown = {
+        "job", "etcd", "etcd_history_seconds", "token_file", "tls", "hosts"};
     if (!kKnown.count(key)) {
       return Bad(absl::StrCat("unknown key \"", key, "\" (expected ",
                               absl::StrJoin(kKnown, ", "), ")"));
@@ -109,6 +109,15 @@ absl::StatusOr<ClusterFile> ClusterFile::Parse(absl::string_view text,
                               ": expected http(s)://host:port"));
     }
     c.etcd.push_back(endpoint);
+  }
+
+  if (auto history = j.find("etcd_history_seconds"); history != j.end()) {
+    if (!history->is_number_integer() || history->get<int64_t>() < 1 ||
+        history->get<int64_t>() > 7 * 24 * 3600) {
+      return Bad(absl::StrCat("\"etcd_history_seconds\" ", history->dump(),
+                              ": expected whole seconds from 1 to 604800"));
+    }
+    c.etcd_history = absl::Seconds(history->get<int64_t>());
   }
 
   ASSIGN_OR_RETURN(std::string token_file,

@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "ptc/parallel_config.h"
 
 namespace scalai {
@@ -37,7 +38,10 @@ struct ClusterTls {
 struct ClusterFile {
   std::string job;                // names the job's keys in etcd
   std::vector<std::string> etcd;  // endpoints, "http(s)://host:port"
-  std::string token;              // the token_file's text, trimmed
+  // How far back etcd keeps the job's changes: the hosts compact what is
+  // older, so that etcd's database stays bounded over a long job.
+  absl::Duration etcd_history = absl::Minutes(5);
+  std::string token;  // the token_file's text, trimmed
   std::optional<ClusterTls> tls;
   std::vector<ClusterHost> hosts;  // in the file's order
 

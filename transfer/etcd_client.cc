@@ -250,6 +250,24 @@ absl::StatusOr<int64_t> EtcdClient::PutValue(const std::string& key,
   return response.header().revision();
 }
 
+absl::Status EtcdClient::Compact(int64_t revision) {
+  grpc::ClientContext ctx;
+  Prepare(ctx, deadline_);
+  pb::CompactionRequest request;
+  request.set_revision(revision);
+  pb::CompactionResponse response;
+  grpc::Status s = stubs_->kv->Compact(&ctx, request, &response);
+  // Another host compacted as far or further first.
+  if (s.error_code() == grpc::StatusCode::OUT_OF_RANGE &&
+      absl::StrContains(s.error_message(), "has been compacted")) {
+    return absl::OkStatus();
+  }
+  if (!s.ok()) {
+    return Failed(s, absl::StrCat("compacting to revision ", revision));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<EtcdClient::Committed> EtcdClient::Commit(const Txn& txn) {
   pb::TxnRequest request;
   for (const Condition& c : txn.conditions) {

@@ -100,6 +100,10 @@ class EtcdClient {
     int64_t revision = 0;
   };
   absl::StatusOr<Committed> Commit(const Txn& txn);
+  // Forgets the history of changes before `revision` (etcd's compaction),
+  // so that etcd's database stops growing with every change: a watch can
+  // no longer start before it. A revision compacted already is no error.
+  absl::Status Compact(int64_t revision);
 
   // A lease that expires `ttl` after its last keep-alive; keys put with it
   // go when it does.

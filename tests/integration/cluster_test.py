@@ -226,7 +226,11 @@ def main():
                 f.write("cluster-test-token-%d\n" % seed)
             cluster = f"{tmp}/cluster.json"
             with open(cluster, "w") as f:
-                json.dump({"job": "gpt", "etcd": etcd.endpoints, "token_file": "token",
+                # The hosts compact etcd's history older than 2 s (5 min
+                # by default): every watch that ends below starts again
+                # from a revision compaction has not forgotten.
+                json.dump({"job": "gpt", "etcd": etcd.endpoints, "etcd_history_seconds": 2,
+                           "token_file": "token",
                            "hosts": [{"name": h, "address": f"{net.address[h]}:7070"}
                                      for h in HOSTS]}, f)
             src = f"{tmp}/src"
@@ -261,6 +265,9 @@ def main():
             # them is a race; check_fetched counts both, so that a byte
             # fetched twice fails the walk (peer_test pins the reuse itself).
             config = walk(r, mnts, full)
+            p = etcd.ctl("h0", "get", "--rev=2", "/scalai/gpt/filler/0")
+            assert p.returncode != 0 and "compacted" in p.stderr, (p.stdout, p.stderr)
+            print("etcd's history before the walk: compacted by the hosts")
             config = refused(mnts, config)
             config = hosted(mnts, full, config)
             for _ in range(4):

@@ -60,6 +60,14 @@ TEST_F(ClusterFileTest, AGoodFileIsReadWhole) {
   EXPECT_EQ(c->hosts[1].name, "h1");
   EXPECT_EQ(c->hosts[1].address, "10.0.0.2:7070");
   EXPECT_EQ((*c->FindHost("h0"))->address, "10.0.0.1:7070");
+  EXPECT_EQ(c->etcd_history, absl::Minutes(5));  // the default
+  auto hourly = ClusterFile::Parse(
+      absl::StrReplaceAll(kGood, {{"\"token_file\"",
+                                   "\"etcd_history_seconds\": 3600, "
+                                   "\"token_file\""}}),
+      dir_.string());
+  ASSERT_TRUE(hourly.ok()) << hourly.status();
+  EXPECT_EQ(hourly->etcd_history, absl::Hours(1));
   absl::Status missing = c->FindHost("h7").status();
   EXPECT_EQ(missing.message(),
             "no host \"h7\" in the cluster file (it has h0, h1)");
@@ -85,8 +93,8 @@ TEST_F(ClusterFileTest, TlsFilesAreReadRelativeToTheClusterFile) {
 
 TEST_F(ClusterFileTest, EachMistakeIsOneLineNamingIt) {
   EXPECT_EQ(ErrorOf("\"job\"", "\"jobs\""),
-            "cluster file: unknown key \"jobs\" (expected etcd, hosts, job, "
-            "tls, token_file)");
+            "cluster file: unknown key \"jobs\" (expected etcd, "
+            "etcd_history_seconds, hosts, job, tls, token_file)");
   EXPECT_EQ(ErrorOf("gpt-7b", "gpt 7b"),
             "cluster file: job \"gpt 7b\": use 1 to 64 letters, digits, '_' "
             "or '-'");
@@ -107,8 +115,15 @@ TEST_F(ClusterFileTest, EachMistakeIsOneLineNamingIt) {
       << no_token;
   EXPECT_NE(no_token.find("/no-such-file"), std::string::npos) << no_token;
   EXPECT_EQ(ErrorOf("\"hosts\": [{", "\"hosts\": [], \"x\": [{"),
-            "cluster file: unknown key \"x\" (expected etcd, hosts, job, "
-            "tls, token_file)");
+            "cluster file: unknown key \"x\" (expected etcd, "
+            "etcd_history_seconds, hosts, job, tls, token_file)");
+  for (const char* bad : {"0", "-5", "2.5", "\"60\"", "604801"}) {
+    EXPECT_EQ(ErrorOf("\"token_file\"",
+                      absl::StrCat("\"etcd_history_seconds\": ", bad,
+                                   ", \"token_file\"")),
+              absl::StrCat("cluster file: \"etcd_history_seconds\" ", bad,
+                           ": expected whole seconds from 1 to 604800"));
+  }
   Write("token", "short\n");
   EXPECT_NE(ErrorOf("gpt-7b", "gpt").find("shorter than 16 characters"),
             std::string::npos);

@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/etcd_member.h"
@@ -222,6 +223,49 @@ TEST_F(EtcdClientTest, WatchSeesEveryChangeAfterTheRevisionInOrder) {
   EXPECT_TRUE((*watch)->status().ok());
   lock.unlock();
   watch->reset();  // stops and joins while etcd still runs
+}
+
+// Compaction forgets the history before a revision: a watch from before
+// it is refused, naming the compaction; one from it on sees what follows;
+// compacting again to the same or an earlier revision is no error, to a
+// revision not yet made is.
+TEST_F(EtcdClientTest, CompactionForgetsTheHistoryBeforeARevision) {
+  const int64_t first = *etcd_->PutValue("/job/config", "tp=1,pp=1,dp=1");
+  const int64_t second = *etcd_->PutValue("/job/config", "tp=2,pp=1,dp=1");
+  ASSERT_TRUE(etcd_->Compact(second).ok());
+  EXPECT_TRUE(etcd_->Compact(second).ok());
+  EXPECT_TRUE(etcd_->Compact(first).ok());
+  EXPECT_FALSE(etcd_->Compact(second + 1000).ok());
+  EXPECT_EQ((*etcd_->Get("/job/config"))->value, "tp=2,pp=1,dp=1");
+
+  auto forgotten =
+      etcd_->WatchPrefix("/job/", first - 1, [](const EtcdClient::Event&) {});
+  ASSERT_TRUE(forgotten.ok()) << forgotten.status();
+  for (int i = 0; i < 200 && (*forgotten)->status().ok(); ++i)
+    absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_NE((*forgotten)->status().message().find("compacted at"),
+            std::string::npos)
+      << (*forgotten)->status();
+
+  std::mutex mu;
+  std::condition_variable changed;
+  std::vector<std::string> seen;
+  auto watch =
+      etcd_->WatchPrefix("/job/", second, [&](const EtcdClient::Event& e) {
+        std::lock_guard<std::mutex> lock(mu);
+        seen.push_back(e.kv.value);
+        changed.notify_all();
+      });
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  ASSERT_TRUE(etcd_->PutValue("/job/config", "tp=4,pp=1,dp=1").ok());
+  std::unique_lock<std::mutex> lock(mu);
+  ASSERT_TRUE(changed.wait_for(lock, std::chrono::seconds(20),
+                               [&] { return !seen.empty(); }));
+  EXPECT_EQ(seen, std::vector<std::string>{"tp=4,pp=1,dp=1"});
+  EXPECT_TRUE((*watch)->status().ok());
+  lock.unlock();
+  watch->reset();
+  forgotten->reset();
 }
 
 TEST_F(EtcdClientTest, AnEtcdThatIsGoneIsAnErrorWithinTheDeadline) {
