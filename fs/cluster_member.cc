@@ -151,6 +151,8 @@ absl::Status ClusterMember::Start() {
   RETURN_IF_ERROR(Watch(read.revision));
   // Saves across hosts: what the cluster decided while this host was away
   // first, then this host's saves go through the cluster.
+  std::vector<std::string> every_host;
+  for (const ClusterHost& h : cluster_.hosts) every_host.push_back(h.name);
   saves_ = std::make_unique<ClusterSaves>(
       job_, *etcd_, host_,
       [this](const std::string& what) { return Key(what); },
@@ -161,7 +163,8 @@ absl::Status ClusterMember::Start() {
       ClusterSaves::Options{
           .replicas = options_.replicas,
           .on_copied = [this] { BeatNow(); },
-          .live = [this](const std::string& name) { return IsLive(name); }});
+          .live = [this](const std::string& name) { return IsLive(name); },
+          .hosts = std::move(every_host)});
   RETURN_IF_ERROR(saves_->Reconcile());
   job_.SetSaveAgreement({[this](const ParallelConfig& config) {
                            return ClusterSaves::RanksOfHost(config, host_);

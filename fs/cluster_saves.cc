@@ -194,6 +194,8 @@ ClusterSaves::ReadSaves(int64_t from) {
       steps[step].committed = std::move(kv);
     } else if (what.rfind("vote/", 0) == 0) {
       steps[step].votes[what.substr(5)] = std::move(kv);
+    } else if (what.rfind("recorded/", 0) == 0) {
+      steps[step].recorded.insert(what.substr(9));
     }
   }
   last_revision_ = snapshot.revision;
@@ -257,6 +259,7 @@ absl::Status ClusterSaves::Reconcile() {
     begun_[p.record.step] = since_;
     if (keys.committed) {
       RETURN_IF_ERROR(Record(p.record.step, *keys.committed));
+      RETURN_IF_ERROR(Acknowledge(p.record.step, keys));
     } else if (auto vote = keys.votes.find(host_); vote != keys.votes.end()) {
       voted_[p.record.step] = vote->second.value;  // waiting for the others
       const nlohmann::json j =
@@ -282,6 +285,48 @@ absl::Status ClusterSaves::Reconcile() {
     if (config.ok() && Voters(*config).contains(host_)) {
       RETURN_IF_ERROR(Withdraw(step));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ClusterSaves::Acknowledge(int64_t step, StepKeys& keys) {
+  if (keys.recorded.contains(host_)) return absl::OkStatus();
+  RETURN_IF_ERROR(
+      etcd_.PutValue(StepPrefix(step) + "recorded/" + host_, "").status());
+  keys.recorded.insert(host_);
+  return absl::OkStatus();
+}
+
+absl::Status ClusterSaves::Sweep() {
+  constexpr absl::Duration kEvery = absl::Seconds(5);
+  if (options_.hosts.empty() || absl::Now() - swept_ < kEvery)
+    return absl::OkStatus();
+  swept_ = absl::Now();
+  ASSIGN_OR_RETURN(std::vector<StepRecord> recorded, job_.store().Steps());
+  ASSIGN_OR_RETURN(std::vector<PendingStep> pending,
+                   job_.store().PendingSteps());
+  std::set<int64_t> here, waiting;
+  for (const StepRecord& r : recorded) here.insert(r.step);
+  for (const PendingStep& p : pending) waiting.insert(p.record.step);
+  const int64_t newest = recorded.empty() ? -1 : recorded.back().step;
+  ASSIGN_OR_RETURN(auto steps, ReadSaves());
+  for (auto& [step, keys] : steps) {
+    if (!keys.committed) continue;
+    // Recorded here, or older than the newest step here and not pending:
+    // a step the retention dropped, or one from before this host joined,
+    // which a beat never records (Advance).
+    if (!waiting.contains(step) && (here.contains(step) || step <= newest)) {
+      RETURN_IF_ERROR(Acknowledge(step, keys));
+    }
+    const bool all = std::all_of(
+        options_.hosts.begin(), options_.hosts.end(),
+        [&](const std::string& h) { return keys.recorded.contains(h); });
+    if (!all) continue;
+    EtcdClient::Txn txn;
+    txn.conditions.push_back(
+        {keys.committed->key, keys.committed->mod_revision});
+    txn.delete_prefixes.push_back(StepPrefix(step));
+    RETURN_IF_ERROR(etcd_.Commit(txn).status());
   }
   return absl::OkStatus();
 }
@@ -678,7 +723,7 @@ absl::Status ClusterSaves::Advance() {
   // dropped, or one from before this host joined).
   nlohmann::json status = nlohmann::json::array();
   std::vector<HostHolding> holdings;
-  for (const auto& [step, keys] : steps) {
+  for (auto& [step, keys] : steps) {
     if (keys.committed) {
       const nlohmann::json j =
           nlohmann::json::parse(keys.committed->value, nullptr, false);
@@ -697,6 +742,7 @@ absl::Status ClusterSaves::Advance() {
     }
     if (keys.committed && (mine.contains(step) || step > newest)) {
       RETURN_IF_ERROR(Record(step, *keys.committed));
+      RETURN_IF_ERROR(Acknowledge(step, keys));
       Forget(step);
     }
     if (!keys.committed && !keys.votes.empty()) {
@@ -705,10 +751,12 @@ absl::Status ClusterSaves::Advance() {
       status.push_back({{"step", step}, {"voted", voted}});
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  status_ = std::move(status);
-  committed_holdings_ = std::move(holdings);
-  return absl::OkStatus();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = std::move(status);
+    committed_holdings_ = std::move(holdings);
+  }
+  return Sweep();
 }
 
 std::vector<HostHolding> ClusterSaves::CommittedHoldings() const {

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "fs/cluster_coverage.h"
 #include "fs/job.h"
 #include "fs/save_area.h"
@@ -72,6 +73,9 @@ class ClusterSaves {
     // Whether host `name` is a live member of the cluster; unset: all are.
     // A step does not wait for a copy on a host that is gone.
     std::function<bool(const std::string& name)> live;
+    // Every host of the cluster file: a committed step's keys go once
+    // each has recorded the step or will never need it. Empty: they stay.
+    std::vector<std::string> hosts;
   };
 
   ClusterSaves(Job& job, EtcdClient& etcd, std::string host, KeyOf key,
@@ -116,6 +120,8 @@ class ClusterSaves {
   struct StepKeys {
     std::map<std::string, EtcdClient::KeyValue> votes;  // by host
     std::optional<EtcdClient::KeyValue> committed;
+    // The hosts that recorded the committed step, or never will.
+    std::set<std::string> recorded;
   };
   // The keys of steps `from` and later: a beat reads only the steps it
   // may still act on, not every step the job ever saved. Notes the
@@ -163,6 +169,14 @@ class ClusterSaves {
   // now is committed.
   absl::StatusOr<bool> TryCommit(int64_t step, StepKeys& keys);
   absl::Status Withdraw(int64_t step);
+  // Says, under saves/STEP/recorded/HOST, that this host will not need
+  // the committed step's keys again.
+  absl::Status Acknowledge(int64_t step, StepKeys& keys);
+  // Every few seconds: acknowledges the committed steps this host will
+  // never record (older than its newest, not pending here), and deletes
+  // the keys of steps every host acknowledged, so that etcd does not keep
+  // one key per step the job ever saved.
+  absl::Status Sweep();
   // Records a committed step here, with copies of the extra files other
   // hosts saved of it.
   absl::Status Record(int64_t step, const EtcdClient::KeyValue& committed);
@@ -185,6 +199,7 @@ class ClusterSaves {
   // When each step being saved here began: a revision read after its
   // first directory was made, so no earlier than that.
   std::map<int64_t, int64_t> begun_;
+  absl::Time swept_ = absl::InfinitePast();
   mutable std::mutex mu_;
   nlohmann::json status_ = nlohmann::json::array();  // guarded by mu_
   std::vector<std::string> refused_;                 // guarded by mu_

@@ -281,7 +281,7 @@ def main():
             intruder(net, mnts, mounts, tmp)
             config = host_leaves(r, mnts, mount, mounts, full, config)
             new_host(mnts, mount, mounts, full, config, tmp)
-            config = saved_across_hosts(seed, net, mnts, mount, mounts, tmp)
+            config = saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp)
             datasets_compared(mnts, mount, mounts, tmp)
             config = replicas_kept(seed, mnts, mount, mounts, tmp)
 
@@ -807,7 +807,7 @@ def wait_latest(mnts, step, timeout=60):
         time.sleep(0.1)
 
 
-def saved_across_hosts(seed, net, mnts, mount, mounts, tmp):
+def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
     """Steps saved through the four hosts' mounts, each host its own ranks:
     a step commits on every host once every host voted, and not before; a
     rank of another host, or a config naming no hosts, is refused; a host
@@ -855,6 +855,17 @@ def saved_across_hosts(seed, net, mnts, mount, mounts, tmp):
         check_extras(m, 20)
         assert saves_waiting(m) == {}, (h, cluster_status(m)["saves"])
     print(f"step 20 saved across four hosts: committed on all once h3 saved its ranks")
+    # Once every host has recorded it, the step's keys leave etcd.
+    deadline = time.time() + 30
+    while True:
+        p = etcd.ctl("h0", "get", "--prefix", "--keys-only",
+                     "/scalai/gpt/saves/00000000000000000020/")
+        assert p.returncode == 0, p.stderr
+        if not p.stdout.strip():
+            break
+        assert time.time() < deadline, p.stdout
+        time.sleep(0.2)
+    print("step 20's keys left etcd once every host had recorded it")
 
     # Step 30: h3's mount SIGKILLed with one rank of its two saved.
     _, shards30 = model(30)
