@@ -193,27 +193,44 @@ TEST_F(EtcdClientTest, KeysOfALeaseGoWithIt) {
   EXPECT_TRUE(gone);
 }
 
+// The events a watch delivers (on its own thread), for a test to wait on.
+// Declared before the watch, so that it outlives the watch's callbacks.
+class WatchedEvents {
+ public:
+  std::function<void(const EtcdClient::Event&)> Collect() {
+    return [this](const EtcdClient::Event& e) {
+      std::lock_guard<std::mutex> lock(mu_);
+      events_.push_back(e);
+      changed_.notify_all();
+    };
+  }
+  // The events so far, once there are `n` of them or 20 s have passed.
+  std::vector<EtcdClient::Event> WaitFor(size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait_for(lock, std::chrono::seconds(20),
+                      [&] { return events_.size() >= n; });
+    return events_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::vector<EtcdClient::Event> events_;  // guarded by mu_
+};
+
 TEST_F(EtcdClientTest, WatchSeesEveryChangeAfterTheRevisionInOrder) {
   const int64_t start = *etcd_->PutValue("/job/config", "tp=1,pp=1,dp=1");
   ASSERT_TRUE(etcd_->PutValue("/job/config", "tp=2,pp=1,dp=1").ok());
-  std::mutex mu;
-  std::condition_variable changed;
-  std::vector<EtcdClient::Event> events;
-  auto watch =
-      etcd_->WatchPrefix("/job/", start, [&](const EtcdClient::Event& e) {
-        std::lock_guard<std::mutex> lock(mu);
-        events.push_back(e);
-        changed.notify_all();
-      });
+  WatchedEvents watched;
+  auto watch = etcd_->WatchPrefix("/job/", start, watched.Collect());
   ASSERT_TRUE(watch.ok()) << watch.status();
   ASSERT_TRUE(etcd_->PutValue("/job/config", "tp=4,pp=1,dp=1").ok());
   ASSERT_TRUE(etcd_->PutValue("/elsewhere", "unseen").ok());
   EtcdClient::Txn del;
   del.deletes.push_back("/job/config");
   ASSERT_TRUE(etcd_->Commit(del)->applied);
-  std::unique_lock<std::mutex> lock(mu);
-  ASSERT_TRUE(changed.wait_for(lock, std::chrono::seconds(20),
-                               [&] { return events.size() >= 3; }));
+  const std::vector<EtcdClient::Event> events = watched.WaitFor(3);
+  ASSERT_EQ(events.size(), 3u);
   // The change made before the watch began, after `start`, comes first.
   EXPECT_EQ(events[0].kv.value, "tp=2,pp=1,dp=1");
   EXPECT_EQ(events[1].kv.value, "tp=4,pp=1,dp=1");
@@ -221,7 +238,6 @@ TEST_F(EtcdClientTest, WatchSeesEveryChangeAfterTheRevisionInOrder) {
   EXPECT_EQ(events[2].kv.key, "/job/config");
   EXPECT_LT(events[0].kv.mod_revision, events[1].kv.mod_revision);
   EXPECT_TRUE((*watch)->status().ok());
-  lock.unlock();
   watch->reset();  // stops and joins while etcd still runs
 }
 
@@ -247,23 +263,14 @@ TEST_F(EtcdClientTest, CompactionForgetsTheHistoryBeforeARevision) {
             std::string::npos)
       << (*forgotten)->status();
 
-  std::mutex mu;
-  std::condition_variable changed;
-  std::vector<std::string> seen;
-  auto watch =
-      etcd_->WatchPrefix("/job/", second, [&](const EtcdClient::Event& e) {
-        std::lock_guard<std::mutex> lock(mu);
-        seen.push_back(e.kv.value);
-        changed.notify_all();
-      });
+  WatchedEvents watched;
+  auto watch = etcd_->WatchPrefix("/job/", second, watched.Collect());
   ASSERT_TRUE(watch.ok()) << watch.status();
   ASSERT_TRUE(etcd_->PutValue("/job/config", "tp=4,pp=1,dp=1").ok());
-  std::unique_lock<std::mutex> lock(mu);
-  ASSERT_TRUE(changed.wait_for(lock, std::chrono::seconds(20),
-                               [&] { return !seen.empty(); }));
-  EXPECT_EQ(seen, std::vector<std::string>{"tp=4,pp=1,dp=1"});
+  const std::vector<EtcdClient::Event> events = watched.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].kv.value, "tp=4,pp=1,dp=1");
   EXPECT_TRUE((*watch)->status().ok());
-  lock.unlock();
   watch->reset();
   forgotten->reset();
 }
