@@ -91,14 +91,12 @@ absl::Status ClusterMember::Start() {
   }
   // Read with the revision it was read at: the watch starts there (the
   // history before the config's last change may be compacted).
-  ASSIGN_OR_RETURN(
-      EtcdClient::Snapshot read,
-      etcd_->GetRange(Key("config"), Key("config") + std::string(1, '\0')));
-  if (read.kvs.empty()) {
+  ASSIGN_OR_RETURN(EtcdClient::KeyAt read, etcd_->GetAt(Key("config")));
+  if (!read.kv.has_value()) {
     return absl::UnavailableError(
         absl::StrCat("etcd lost the cluster's config key ", Key("config")));
   }
-  const EtcdClient::KeyValue* kv = &read.kvs.front();
+  const EtcdClient::KeyValue* kv = &*read.kv;
   ASSIGN_OR_RETURN(Agreed agreed, ParseAgreed(kv->value));
   // The peers, before any view of the cluster's config is built: those
   // views read what this host does not hold through them.
@@ -408,11 +406,9 @@ void ClusterMember::Beat() {
       // was missed, then watch again from the revision read at, which
       // compaction has not forgotten (a watch from the config's last
       // change would be refused once the history before was compacted).
-      const std::string key = Key("config");
-      absl::StatusOr<EtcdClient::Snapshot> read =
-          etcd_->GetRange(key, key + std::string(1, '\0'));
+      absl::StatusOr<EtcdClient::KeyAt> read = etcd_->GetAt(Key("config"));
       s = read.status();
-      if (s.ok() && !read->kvs.empty()) Apply(read->kvs.front());
+      if (s.ok() && read->kv.has_value()) Apply(*read->kv);
       if (s.ok()) s = Watch(std::max(revision, read->revision));
     }
     {

@@ -171,15 +171,16 @@ std::string ClusterSaves::StepPrefix(int64_t step) const {
   return key_(absl::StrFormat("saves/%020d/", step));
 }
 
-absl::StatusOr<std::map<int64_t, ClusterSaves::StepKeys>>
-ClusterSaves::ReadSaves(int64_t from) {
+absl::StatusOr<ClusterSaves::Saves> ClusterSaves::ReadSaves(int64_t from) {
   const std::string prefix = key_("saves/");
   // Steps are numbered with leading zeros: key order is step order.
   ASSIGN_OR_RETURN(
       EtcdClient::Snapshot snapshot,
       etcd_.GetRange(absl::StrCat(prefix, absl::StrFormat("%020d", from)),
                      PrefixEnd(prefix)));
-  std::map<int64_t, StepKeys> steps;
+  Saves saves;
+  saves.revision = snapshot.revision;
+  std::map<int64_t, StepKeys>& steps = saves.steps;
   for (EtcdClient::KeyValue& kv : snapshot.kvs) {
     // saves/STEP/vote/HOST or saves/STEP/committed
     const std::string rest = kv.key.substr(prefix.size());
@@ -198,16 +199,16 @@ ClusterSaves::ReadSaves(int64_t from) {
       steps[step].recorded.insert(what.substr(9));
     }
   }
-  last_revision_ = snapshot.revision;
-  return steps;
+  return saves;
 }
 
 void ClusterSaves::NoteBegun(const std::vector<SaveNode>& saving,
-                             const std::vector<PendingStep>& pending) {
+                             const std::vector<PendingStep>& pending,
+                             int64_t revision) {
   std::set<int64_t> here;
   for (const SaveNode& s : saving) here.insert(s.step);
   for (const PendingStep& p : pending) here.insert(p.record.step);
-  for (int64_t step : here) begun_.try_emplace(step, last_revision_);
+  for (int64_t step : here) begun_.try_emplace(step, revision);
   std::erase_if(begun_, [&](const auto& b) {
     return !here.contains(b.first) && !voted_.contains(b.first);
   });
@@ -249,8 +250,9 @@ absl::Status ClusterSaves::WithdrawAbandoned(std::map<int64_t, StepKeys>& steps,
 absl::Status ClusterSaves::Reconcile() {
   ASSIGN_OR_RETURN(std::vector<PendingStep> pending,
                    job_.store().PendingSteps());
-  ASSIGN_OR_RETURN(auto steps, ReadSaves());
-  since_ = last_revision_;
+  ASSIGN_OR_RETURN(Saves read, ReadSaves());
+  since_ = read.revision;
+  std::map<int64_t, StepKeys>& steps = read.steps;
   std::set<int64_t> saved;  // steps whose part this host's workers saved
   for (const PendingStep& p : pending) {
     if (p.saved) saved.insert(p.record.step);
@@ -297,20 +299,18 @@ absl::Status ClusterSaves::Acknowledge(int64_t step, StepKeys& keys) {
   return absl::OkStatus();
 }
 
-absl::Status ClusterSaves::Sweep() {
+absl::Status ClusterSaves::Sweep(const std::vector<StepRecord>& recorded,
+                                 const std::vector<PendingStep>& pending) {
   constexpr absl::Duration kEvery = absl::Seconds(5);
   if (options_.hosts.empty() || absl::Now() - swept_ < kEvery)
     return absl::OkStatus();
   swept_ = absl::Now();
-  ASSIGN_OR_RETURN(std::vector<StepRecord> recorded, job_.store().Steps());
-  ASSIGN_OR_RETURN(std::vector<PendingStep> pending,
-                   job_.store().PendingSteps());
   std::set<int64_t> here, waiting;
   for (const StepRecord& r : recorded) here.insert(r.step);
   for (const PendingStep& p : pending) waiting.insert(p.record.step);
   const int64_t newest = recorded.empty() ? -1 : recorded.back().step;
-  ASSIGN_OR_RETURN(auto steps, ReadSaves());
-  for (auto& [step, keys] : steps) {
+  ASSIGN_OR_RETURN(Saves read, ReadSaves());
+  for (auto& [step, keys] : read.steps) {
     if (!keys.committed) continue;
     // Recorded here, or older than the newest step here and not pending:
     // a step the retention dropped, or one from before this host joined,
@@ -653,8 +653,9 @@ absl::Status ClusterSaves::Advance() {
   const int64_t newest = recorded.empty() ? -1 : recorded.back().step;
   int64_t from = std::max<int64_t>(newest, 0);
   for (const PendingStep& p : pending) from = std::min(from, p.record.step);
-  ASSIGN_OR_RETURN(auto steps, ReadSaves(from));
-  NoteBegun(saving, pending);
+  ASSIGN_OR_RETURN(Saves read, ReadSaves(from));
+  NoteBegun(saving, pending, read.revision);
+  std::map<int64_t, StepKeys>& steps = read.steps;
   // Extra replicas are copied on their own thread, so that the beat (and
   // the lease it renews) never waits for the bytes; the round after they
   // are in votes for them.
@@ -756,7 +757,7 @@ absl::Status ClusterSaves::Advance() {
     status_ = std::move(status);
     committed_holdings_ = std::move(holdings);
   }
-  return Sweep();
+  return Sweep(recorded, pending);
 }
 
 std::vector<HostHolding> ClusterSaves::CommittedHoldings() const {

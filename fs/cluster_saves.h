@@ -123,15 +123,19 @@ class ClusterSaves {
     // The hosts that recorded the committed step, or never will.
     std::set<std::string> recorded;
   };
-  // The keys of steps `from` and later: a beat reads only the steps it
-  // may still act on, not every step the job ever saved. Notes the
-  // revision read at (last_revision_).
-  absl::StatusOr<std::map<int64_t, StepKeys>> ReadSaves(int64_t from = 0);
+  // The keys of steps `from` and later, and the revision they were read
+  // at: a beat reads only the steps it may still act on, not every step
+  // the job ever saved.
+  struct Saves {
+    std::map<int64_t, StepKeys> steps;
+    int64_t revision = 0;
+  };
+  absl::StatusOr<Saves> ReadSaves(int64_t from = 0);
   // Notes when each step being saved here (`saving`, `pending`: listed
-  // before the last read) began: the revision of the first read after it
-  // was seen, which is no earlier.
+  // before etcd was read at `revision`) began: the revision of the first
+  // read after it was seen, which is no earlier.
   void NoteBegun(const std::vector<SaveNode>& saving,
-                 const std::vector<PendingStep>& pending);
+                 const std::vector<PendingStep>& pending, int64_t revision);
   // Withdraws the steps that began elsewhere before this host started,
   // that it had to save and has not: the mount that ended took its part.
   absl::Status WithdrawAbandoned(std::map<int64_t, StepKeys>& steps,
@@ -175,8 +179,11 @@ class ClusterSaves {
   // Every few seconds: acknowledges the committed steps this host will
   // never record (older than its newest, not pending here), and deletes
   // the keys of steps every host acknowledged, so that etcd does not keep
-  // one key per step the job ever saved.
-  absl::Status Sweep();
+  // one key per step the job ever saved. `recorded` and `pending` are this
+  // host's as the round read them: one that changed since only delays an
+  // acknowledgement to the next sweep.
+  absl::Status Sweep(const std::vector<StepRecord>& recorded,
+                     const std::vector<PendingStep>& pending);
   // Records a committed step here, with copies of the extra files other
   // hosts saved of it.
   absl::Status Record(int64_t step, const EtcdClient::KeyValue& committed);
@@ -192,10 +199,8 @@ class ClusterSaves {
   // the caller of Reconcile and Advance (one thread) uses them.
   std::map<int64_t, std::string> voted_;
   std::map<int64_t, std::map<std::string, std::string>> data_sums_;
-  // The revision this host started at (Reconcile's read), and that of the
-  // last read of the saves.
+  // The revision this host started at (Reconcile's read).
   int64_t since_ = 0;
-  int64_t last_revision_ = 0;
   // When each step being saved here began: a revision read after its
   // first directory was made, so no earlier than that.
   std::map<int64_t, int64_t> begun_;

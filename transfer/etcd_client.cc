@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "ptc/status_macros.h"
 #include "transfer/etcd.grpc.pb.h"
 #include "transfer/peer_call.h"
 
@@ -199,6 +200,11 @@ absl::Status EtcdClient::Failed(const grpc::Status& s,
 
 absl::StatusOr<std::optional<EtcdClient::KeyValue>> EtcdClient::Get(
     const std::string& key) {
+  ASSIGN_OR_RETURN(KeyAt read, GetAt(key));
+  return std::move(read.kv);
+}
+
+absl::StatusOr<EtcdClient::KeyAt> EtcdClient::GetAt(const std::string& key) {
   grpc::ClientContext ctx;
   Prepare(ctx, deadline_);
   pb::RangeRequest request;
@@ -206,8 +212,10 @@ absl::StatusOr<std::optional<EtcdClient::KeyValue>> EtcdClient::Get(
   pb::RangeResponse response;
   grpc::Status s = stubs_->kv->Range(&ctx, request, &response);
   if (!s.ok()) return Failed(s, absl::StrCat("reading ", key));
-  if (response.kvs().empty()) return std::nullopt;
-  return FromPb(response.kvs(0));
+  KeyAt read;
+  read.revision = response.header().revision();
+  if (!response.kvs().empty()) read.kv = FromPb(response.kvs(0));
+  return read;
 }
 
 absl::StatusOr<EtcdClient::Snapshot> EtcdClient::GetPrefix(

@@ -85,6 +85,14 @@ class EtcdClient {
   ~EtcdClient();
 
   absl::StatusOr<std::optional<KeyValue>> Get(const std::string& key);
+  // The key, if present, and the store's revision it was read at: a watch
+  // started from there misses no later change, and that revision is never
+  // compacted before the read (the key's own last change may be).
+  struct KeyAt {
+    std::optional<KeyValue> kv;
+    int64_t revision = 0;
+  };
+  absl::StatusOr<KeyAt> GetAt(const std::string& key);
   // Every key starting with `prefix`, in key order.
   absl::StatusOr<Snapshot> GetPrefix(const std::string& prefix);
   // Every key in [from, end), in key order.

@@ -65,6 +65,15 @@ TEST_F(EtcdClientTest, KeysAreWrittenAndReadBackByKeyAndPrefix) {
   EXPECT_EQ(hosts->kvs[0].value, std::string("b\0c", 3));
   EXPECT_EQ(hosts->kvs[1].key, "/job/hosts/h1");
   EXPECT_GE(hosts->revision, *first + 3);
+  // One key with the store's revision at the read, past the key's own.
+  auto at = etcd_->GetAt("/job/config");
+  ASSERT_TRUE(at.ok() && at->kv.has_value()) << at.status();
+  EXPECT_EQ(at->kv->mod_revision, *first);
+  EXPECT_EQ(at->revision, hosts->revision);
+  auto nothing = etcd_->GetAt("/job/absent");
+  ASSERT_TRUE(nothing.ok()) << nothing.status();
+  EXPECT_FALSE(nothing->kv.has_value());
+  EXPECT_EQ(nothing->revision, hosts->revision);
   EXPECT_EQ(etcd_->GetPrefix("/job/")->kvs.size(), 3u);
   // A prefix of more than gRPC's default 4 MiB a message, read whole.
   const std::string mib(1 << 20, 'm');
