@@ -162,6 +162,7 @@ absl::Status ClusterMember::Start() {
           .replicas = options_.replicas,
           .on_copied = [this] { BeatNow(); },
           .live = [this](const std::string& name) { return IsLive(name); },
+          .lost = [this](const std::string& name) { return IsLost(name); },
           .hosts = std::move(every_host)});
   RETURN_IF_ERROR(saves_->Reconcile());
   job_.SetSaveAgreement({[this](const ParallelConfig& config) {
@@ -435,6 +436,19 @@ bool ClusterMember::IsLive(const std::string& name) {
     if (h.value("name", "") == name) return h.value("live", false);
   }
   return false;
+}
+
+bool ClusterMember::IsLost(const std::string& name) {
+  if (name == host_) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  // Not live as etcd was last read (a host not read yet is not lost).
+  const auto seen = std::find_if(
+      hosts_.begin(), hosts_.end(),
+      [&](const nlohmann::json& h) { return h.value("name", "") == name; });
+  if (seen == hosts_.end() || seen->value("live", true)) return false;
+  if (!agreed_ || agreed_->hosts().empty()) return false;
+  const std::vector<std::string>& named = agreed_->hosts();
+  return std::find(named.begin(), named.end(), name) == named.end();
 }
 
 std::optional<std::vector<int>> ClusterMember::HeldGroups(

@@ -109,6 +109,9 @@ class ClusterMember {
   void RetryWhenPeerBack();
   // Whether host `name` is live, as the last reading of etcd saw it.
   bool IsLive(const std::string& name);
+  // Whether host `name` is lost for good: not live, and left out of the
+  // cluster's config (a config without it was accepted).
+  bool IsLost(const std::string& name);
   // The groups of `config` this host holds: those of its ranks (and with
   // replicas, those of the hosts it is the next host of), or all when the
   // config names no hosts.

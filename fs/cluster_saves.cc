@@ -19,6 +19,17 @@
 namespace scalai {
 namespace {
 
+// When the part a vote is for began (its `begun`); none in a vote from a
+// version that did not say.
+std::optional<int64_t> BegunOf(const std::string& vote) {
+  const nlohmann::json j = nlohmann::json::parse(vote, nullptr, false);
+  if (!j.is_object() || !j.contains("begun") ||
+      !j["begun"].is_number_integer()) {
+    return std::nullopt;
+  }
+  return j["begun"].get<int64_t>();
+}
+
 // A vote and a commit carry the step as the catalog records it, less the
 // shards: config, groups, bytes and, from rank 0's host, the data position.
 nlohmann::json StepJson(const StepRecord& step) {
@@ -197,7 +208,20 @@ absl::StatusOr<ClusterSaves::Saves> ClusterSaves::ReadSaves(int64_t from) {
       steps[step].votes[what.substr(5)] = std::move(kv);
     } else if (what.rfind("recorded/", 0) == 0) {
       steps[step].recorded.insert(what.substr(9));
+    } else if (what == "withdrawn") {
+      steps[step].withdrawn = kv.mod_revision;
     }
+  }
+  for (auto& [step, keys] : steps) {
+    if (keys.withdrawn == 0) continue;
+    std::erase_if(keys.votes, [&](auto& vote) {
+      if (BegunOf(vote.second.value).value_or(keys.withdrawn) >=
+          keys.withdrawn) {
+        return false;
+      }
+      keys.void_votes.push_back(std::move(vote.second));
+      return true;
+    });
   }
   return saves;
 }
@@ -229,10 +253,7 @@ absl::Status ClusterSaves::WithdrawAbandoned(std::map<int64_t, StepKeys>& steps,
     for (const auto& [host, kv] : keys.votes) {
       const nlohmann::json j = nlohmann::json::parse(kv.value, nullptr, false);
       if (!j.is_object()) continue;
-      if (j.contains("begun") && j["begun"].is_number_integer() &&
-          j["begun"].get<int64_t>() < since_) {
-        earlier = true;
-      }
+      if (BegunOf(kv.value).value_or(since_) < since_) earlier = true;
       if (!config && j.contains("config") && j["config"].is_string()) {
         absl::StatusOr<ParallelConfig> parsed =
             ParallelConfig::Parse(j["config"].get<std::string>());
@@ -257,22 +278,34 @@ absl::Status ClusterSaves::Reconcile() {
   for (const PendingStep& p : pending) {
     if (p.saved) saved.insert(p.record.step);
     StepKeys& keys = steps[p.record.step];
-    // Begun before this start; the vote given then says when.
-    begun_[p.record.step] = since_;
+    // Begun before this start; the vote given then says when. Without one,
+    // a part of a step withdrawn since may be from before the withdrawal:
+    // it counts as void (the step is dropped, as for a host whose mount
+    // ended before it saved its part).
+    begun_[p.record.step] = keys.withdrawn > 0 ? 0 : since_;
     if (keys.committed) {
       RETURN_IF_ERROR(Record(p.record.step, *keys.committed));
       RETURN_IF_ERROR(Acknowledge(p.record.step, keys));
     } else if (auto vote = keys.votes.find(host_); vote != keys.votes.end()) {
       voted_[p.record.step] = vote->second.value;  // waiting for the others
-      const nlohmann::json j =
-          nlohmann::json::parse(vote->second.value, nullptr, false);
-      if (j.is_object() && j.contains("begun") &&
-          j["begun"].is_number_integer()) {
-        begun_[p.record.step] = j["begun"].get<int64_t>();
+      if (std::optional<int64_t> begun = BegunOf(vote->second.value)) {
+        begun_[p.record.step] = *begun;
       }
     }
     // Otherwise this host saved its part and stopped before it voted:
     // the next round votes.
+  }
+  {
+    nlohmann::json status = nlohmann::json::array();
+    for (const PendingStep& p : pending) {
+      const StepKeys& keys = steps[p.record.step];
+      if (keys.committed) continue;
+      nlohmann::json voted = nlohmann::json::array();
+      for (const auto& [host, kv] : keys.votes) voted.push_back(host);
+      status.push_back({{"step", p.record.step}, {"voted", voted}});
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = std::move(status);
   }
   for (const auto& [step, keys] : steps) {
     if (keys.committed || keys.votes.empty() || saved.contains(step)) {
@@ -335,7 +368,46 @@ absl::Status ClusterSaves::Withdraw(int64_t step) {
   EtcdClient::Txn txn;
   txn.conditions.push_back({StepPrefix(step) + "committed", 0});
   txn.delete_prefixes.push_back(StepPrefix(step) + "vote/");
+  // Says when: a host that had not seen it yet may vote for its part
+  // after, or mount again with it pending; a part begun before is void.
+  // (The key stays until the step number is saved and committed.)
+  txn.puts.push_back({StepPrefix(step) + "withdrawn", ""});
   return etcd_.Commit(txn).status();
+}
+
+absl::Status ClusterSaves::WithdrawLost(std::map<int64_t, StepKeys>& steps) {
+  if (!options_.lost) return absl::OkStatus();
+  for (auto& [step, keys] : steps) {
+    if (keys.committed || keys.votes.empty()) continue;
+    absl::StatusOr<StepRecord> voted = StepFromJson(
+        step, keys.votes.begin()->second.value, keys.votes.begin()->first);
+    if (!voted.ok()) continue;
+    absl::StatusOr<ParallelConfig> config =
+        ParallelConfig::Parse(voted->config);
+    if (!config.ok()) continue;
+    for (const std::string& voter : Voters(*config)) {
+      if (!keys.votes.contains(voter) && options_.lost(voter)) {
+        RETURN_IF_ERROR(Withdraw(step));
+        keys.votes.clear();
+        break;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ClusterSaves::DeleteVoidVotes(std::map<int64_t, StepKeys>& steps) {
+  for (auto& [step, keys] : steps) {
+    if (keys.void_votes.empty()) continue;
+    EtcdClient::Txn txn;
+    for (const EtcdClient::KeyValue& kv : keys.void_votes) {
+      txn.conditions.push_back({kv.key, kv.mod_revision});
+      txn.deletes.push_back(kv.key);
+    }
+    RETURN_IF_ERROR(etcd_.Commit(txn).status());
+    keys.void_votes.clear();
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> ClusterSaves::DataSum(int64_t step,
@@ -692,8 +764,12 @@ absl::Status ClusterSaves::Advance() {
     // none left, the step is gone too.)
     const bool others_voted =
         keys.votes.size() > (keys.votes.contains(host_) ? 1u : 0u);
+    // Or withdrawn after this host's part began: the part is void.
+    const auto begun = begun_.find(step);
+    const bool void_part = keys.withdrawn > 0 && begun != begun_.end() &&
+                           begun->second < keys.withdrawn;
     if ((voted_.contains(step) && !keys.votes.contains(host_)) ||
-        (!p.saved && !others_voted && !copying_)) {
+        (!p.saved && !others_voted && !copying_) || void_part) {
       RETURN_IF_ERROR(job_.DiscardSave(step));
       Forget(step);
       mine.erase(step);
@@ -713,6 +789,8 @@ absl::Status ClusterSaves::Advance() {
     if (p.saved) saved.insert(p.record.step);
   }
   RETURN_IF_ERROR(WithdrawAbandoned(steps, saved));
+  RETURN_IF_ERROR(WithdrawLost(steps));
+  RETURN_IF_ERROR(DeleteVoidVotes(steps));
   for (auto& [step, keys] : steps) {
     if (!keys.committed && !keys.votes.empty()) {
       absl::StatusOr<bool> committed = TryCommit(step, keys);
@@ -746,7 +824,7 @@ absl::Status ClusterSaves::Advance() {
       RETURN_IF_ERROR(Acknowledge(step, keys));
       Forget(step);
     }
-    if (!keys.committed && !keys.votes.empty()) {
+    if (!keys.committed && (!keys.votes.empty() || mine.contains(step))) {
       nlohmann::json voted = nlohmann::json::array();
       for (const auto& [host, kv] : keys.votes) voted.push_back(host);
       status.push_back({{"step", step}, {"voted", voted}});

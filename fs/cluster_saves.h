@@ -25,7 +25,11 @@
 // those that come later: each vote says when its host began the step
 // (`begun`, an etcd revision read after its first directory was made), and
 // a host that started after that revision knows that its own part of the
-// step went with the mount that ended.
+// step went with the mount that ended. A step that waits for the vote of a
+// host lost for good (not live, left out of the cluster's config) is
+// withdrawn too. A withdrawal leaves saves/STEP/withdrawn: every part begun
+// before its revision is void, and is dropped by its host, whether it had
+// not seen the withdrawal yet or mounts again with the part pending.
 //
 //   ClusterSaves saves(job, *etcd, "h0", [](auto& what) { return key; });
 //   RETURN_IF_ERROR(saves.Reconcile());  // once, at the host's start
@@ -73,6 +77,10 @@ class ClusterSaves {
     // Whether host `name` is a live member of the cluster; unset: all are.
     // A step does not wait for a copy on a host that is gone.
     std::function<bool(const std::string& name)> live;
+    // Whether host `name` is lost for good (not live, and left out of the
+    // cluster's config); unset: none is. A step that waits for its vote
+    // would wait forever: it is withdrawn.
+    std::function<bool(const std::string& name)> lost;
     // Every host of the cluster file: a committed step's keys go once
     // each has recorded the step or will never need it. Empty: they stay.
     std::vector<std::string> hosts;
@@ -105,7 +113,9 @@ class ClusterSaves {
   // voted for, records committed steps and drops withdrawn ones.
   absl::Status Advance();
 
-  // The steps being saved as the last round saw them, for `status`.
+  // The steps being saved as the last round saw them, for `status`: those
+  // some host voted for, and those this host holds a part of (from its
+  // start on, before it votes).
   nlohmann::json Status() const;
   // Why each replica saved here and found to differ was dropped, newest
   // last (the step's commit clears `status`'s error; these stay).
@@ -122,6 +132,12 @@ class ClusterSaves {
     std::optional<EtcdClient::KeyValue> committed;
     // The hosts that recorded the committed step, or never will.
     std::set<std::string> recorded;
+    // The revision of the step's last withdrawal (saves/STEP/withdrawn);
+    // 0: never withdrawn. A part begun before it is void.
+    int64_t withdrawn = 0;
+    // Votes for parts begun before the withdrawal (left out of `votes`):
+    // their hosts had not seen it yet. They are deleted.
+    std::vector<EtcdClient::KeyValue> void_votes;
   };
   // The keys of steps `from` and later, and the revision they were read
   // at: a beat reads only the steps it may still act on, not every step
@@ -140,6 +156,10 @@ class ClusterSaves {
   // that it had to save and has not: the mount that ended took its part.
   absl::Status WithdrawAbandoned(std::map<int64_t, StepKeys>& steps,
                                  const std::set<int64_t>& saved);
+  // Withdraws the steps that wait for the vote of a host lost for good.
+  absl::Status WithdrawLost(std::map<int64_t, StepKeys>& steps);
+  // Deletes the votes for parts begun before their step's withdrawal.
+  absl::Status DeleteVoidVotes(std::map<int64_t, StepKeys>& steps);
   std::string StepPrefix(int64_t step) const;
   // The vote for what this host holds of a pending step.
   absl::StatusOr<std::string> VoteFor(const PendingStep& pending);

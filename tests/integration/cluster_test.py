@@ -283,7 +283,7 @@ def main():
             new_host(mnts, mount, mounts, full, config, tmp)
             config = saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp)
             datasets_compared(mnts, mount, mounts, tmp)
-            config = replicas_kept(seed, mnts, mount, mounts, tmp)
+            config = replicas_kept(seed, net, mnts, mount, mounts, tmp)
 
             for h in HOSTS:
                 run("umount", mnts[h])
@@ -980,13 +980,14 @@ def holds_of(mnt, host, step, timeout=30):
         time.sleep(0.2)
 
 
-def replicas_kept(seed, mnts, mount, mounts, tmp):
+def replicas_kept(seed, net, mnts, mount, mounts, tmp):
     """Every host mounted with --replicas 2. Under dp=2, h1 runs stage 0's
     replicas and saves them: the one it saved wrong (one value off) is found
     by checksum against h0's, dropped, and h1 copies h0's instead before the
     step commits. Under dp=1, each host's shards are copied to the next host
-    as the step is saved; h1 SIGKILLed, a config without it is accepted and
-    materialized from h2's copy, byte for byte."""
+    as the step is saved; h1 SIGKILLed while a step waits for its vote, a
+    config without it is accepted and materialized from h2's copy, byte for
+    byte, and the step is dropped everywhere, h1 included once it is back."""
     for h in HOSTS:
         run("umount", mnts[h])
         mounts.discard(mnts[h])
@@ -1036,18 +1037,51 @@ def replicas_kept(seed, mnts, mount, mounts, tmp):
     for h, nxt in [("h0", "h1"), ("h1", "h2"), ("h2", "h3"), ("h3", "h0")]:
         own = set(host_ranks(h, line))  # under dp=1, a rank's group has its number
         assert own <= set(holds_of(mnts["h0"], nxt, 50)), (h, nxt)
-    kill_host("h1", mnts, mounts, tmp)
+    # Step 55: h1 saves its ranks cut off from etcd, so it cannot vote, and
+    # its mount is SIGKILLed so: the step waits for its vote.
+    _, shards55 = saved_model(seed + 55, line)
+    net.link("h1", False)
+    try:
+        for h in HOSTS:
+            save_ranks(mnts[h], 55, line, shards55, host_ranks(h, line))
+        wait_voted(mnts["h0"], 55, ["h0", "h2", "h3"])
+        # Its part is whole: it waits for no rank, only for the commit.
+        assert status(mnts["h1"])["saving"] == [{"step": 55, "waiting_for": []}], (
+            status(mnts["h1"])["saving"])
+        kill_host("h1", mnts, mounts, tmp)
+    finally:
+        net.link("h1", True)
     alive = {h: m for h, m in mnts.items() if h != "h1"}
     wait_live(mnts["h0"], alive)
+    assert sorted(saves_waiting(mnts["h0"])[55]) == ["h0", "h2", "h3"]
+    # A config that leaves h1 out says it is lost for good: step 55 would
+    # wait for it forever, and is dropped everywhere instead.
     fewer = "tp=2,pp=2,dp=1,hosts=h0+h2"
     assert write_config(mnts["h0"], fewer) == 0, status(mnts["h0"])
     wait_all(alive, fewer)
     for h in ["h0", "h2"]:
         check_bytes(mnts[h], full, fewer, LAYERS, DIVISOR)
+    deadline = time.time() + 30
+    while any(saves_waiting(m) for m in alive.values()):
+        assert time.time() < deadline, {h: cluster_status(m)["saves"] for h, m in alive.items()}
+        time.sleep(0.1)
+    # h1 mounted again with its part of step 55 pending: the withdrawal
+    # came after that part began, so h1 drops it rather than voting alone.
     mount("h1", "--replicas", "2")
     wait_all(mnts, fewer)
     check_bytes(mnts["h1"], full, fewer, LAYERS, DIVISOR)
-    print("step 50 under dp=1 with --replicas 2: h1 SIGKILLed, its shards came from h2's copy")
+    # (From its start on, a host lists the steps it holds a part of.)
+    deadline = time.time() + 30
+    while 55 in saves_waiting(mnts["h1"]):
+        assert time.time() < deadline, cluster_status(mnts["h1"])["saves"]
+        time.sleep(0.1)
+    for h, m in mnts.items():
+        assert saves_waiting(m) == {}, (h, cluster_status(m)["saves"])
+        assert latest(m) == "step-00000050", (h, latest(m))
+        assert "step-00000055" not in os.listdir(f"{m}/ckpt"), (h, os.listdir(f"{m}/ckpt"))
+    print("step 50 under dp=1 with --replicas 2: h1 SIGKILLed, its shards came from h2's copy; "
+          "step 55, waiting for h1's vote, dropped once a config left h1 out, and on h1 when "
+          "it came back")
     return fewer
 
 
