@@ -602,32 +602,57 @@ int64_t ClusterMember::ReadCluster() {
   // Only the members and their progress: the job's other keys (its model,
   // every step committed) grow with the job, and a beat reading them all
   // would pass gRPC's 4 MiB a message on a long job and fail at every beat.
+  // Of those, only the names and revisions, then the progress values that
+  // changed: a value lists what its host holds of every step, and every
+  // host reading every value at every beat would make etcd send
+  // hosts x hosts values twice a second.
+  const auto failed = [&](const absl::Status& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    etcd_error_ = std::string(s.message());
+    return 0;
+  };
   const std::string members = Key("members/");
   const std::string done = Key("progress/");
-  std::map<std::string, nlohmann::json> live, progress;
-  int64_t revision = 0;
-  for (const auto& [prefix, into] :
-       {std::pair{&members, &live}, std::pair{&done, &progress}}) {
-    absl::StatusOr<EtcdClient::Snapshot> keys = etcd_->GetPrefix(*prefix);
-    if (!keys.ok()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      etcd_error_ = std::string(keys.status().message());
-      return 0;
-    }
-    revision = keys->revision;
-    for (const EtcdClient::KeyValue& kv : keys->kvs) {
-      nlohmann::json value = nlohmann::json::parse(kv.value, nullptr, false);
-      if (!value.is_discarded())
-        (*into)[kv.key.substr(prefix->size())] = std::move(value);
-    }
+  absl::StatusOr<EtcdClient::Snapshot> live = etcd_->ListPrefix(members);
+  if (!live.ok()) return failed(live.status());
+  absl::StatusOr<EtcdClient::Snapshot> listed = etcd_->ListPrefix(done);
+  if (!listed.ok()) return failed(listed.status());
+  std::set<std::string> live_names, listed_names;
+  for (const EtcdClient::KeyValue& kv : live->kvs) {
+    live_names.insert(kv.key.substr(members.size()));
   }
+  for (const EtcdClient::KeyValue& kv : listed->kvs) {
+    const std::string name = kv.key.substr(done.size());
+    listed_names.insert(name);
+    auto seen = progress_seen_.find(name);
+    if (seen != progress_seen_.end() &&
+        seen->second.mod_revision == kv.mod_revision) {
+      continue;
+    }
+    absl::StatusOr<std::optional<EtcdClient::KeyValue>> read =
+        etcd_->Get(kv.key);
+    if (!read.ok()) return failed(read.status());
+    if (!read->has_value()) continue;  // deleted meanwhile
+    nlohmann::json value =
+        nlohmann::json::parse((*read)->value, nullptr, false);
+    if (value.is_discarded()) value = nlohmann::json::object();
+    progress_seen_[name] = {(*read)->mod_revision, std::move(value)};
+  }
+  std::erase_if(progress_seen_, [&](const auto& seen) {
+    return !listed_names.contains(seen.first);
+  });
+  const int64_t revision = listed->revision;
   nlohmann::json hosts = nlohmann::json::array();
   for (const ClusterHost& h : cluster_.hosts) {
     nlohmann::json entry = {{"name", h.name},
                             {"address", h.address},
-                            {"live", live.count(h.name) > 0}};
-    if (auto it = progress.find(h.name); it != progress.end()) {
-      for (const auto& [key, value] : it->second.items()) entry[key] = value;
+                            {"live", live_names.contains(h.name)}};
+    if (auto it = progress_seen_.find(h.name); it != progress_seen_.end()) {
+      if (it->second.value.is_object()) {
+        for (const auto& [key, value] : it->second.value.items()) {
+          entry[key] = value;
+        }
+      }
     }
     hosts.push_back(std::move(entry));
   }

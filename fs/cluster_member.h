@@ -154,6 +154,13 @@ class ClusterMember {
   int64_t bytes_held_ = 0;
   std::vector<HostHolding> holdings_;  // what this host's store holds
   std::string bytes_held_key_;
+  // Each host's progress value as last read, with the revision of its last
+  // change (beat only): a beat reads again only the values that changed.
+  struct SeenProgress {
+    int64_t mod_revision = 0;
+    nlohmann::json value;
+  };
+  std::map<std::string, SeenProgress> progress_seen_;
   // The revision to compact to next, and when it was read (beat only).
   int64_t history_mark_ = 0;
   absl::Time history_marked_ = absl::InfinitePast();

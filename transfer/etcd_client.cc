@@ -225,11 +225,23 @@ absl::StatusOr<EtcdClient::Snapshot> EtcdClient::GetPrefix(
 
 absl::StatusOr<EtcdClient::Snapshot> EtcdClient::GetRange(
     const std::string& from, const std::string& end) {
+  return Range(from, end, /*keys_only=*/false);
+}
+
+absl::StatusOr<EtcdClient::Snapshot> EtcdClient::ListPrefix(
+    const std::string& prefix) {
+  return Range(prefix, PrefixEnd(prefix), /*keys_only=*/true);
+}
+
+absl::StatusOr<EtcdClient::Snapshot> EtcdClient::Range(const std::string& from,
+                                                       const std::string& end,
+                                                       bool keys_only) {
   grpc::ClientContext ctx;
   Prepare(ctx, deadline_);
   pb::RangeRequest request;
   request.set_key(from);
   request.set_range_end(end);
+  request.set_keys_only(keys_only);
   pb::RangeResponse response;
   grpc::Status s = stubs_->kv->Range(&ctx, request, &response);
   if (!s.ok()) {

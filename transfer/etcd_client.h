@@ -98,6 +98,10 @@ class EtcdClient {
   // Every key in [from, end), in key order.
   absl::StatusOr<Snapshot> GetRange(const std::string& from,
                                     const std::string& end);
+  // Every key starting with `prefix`, in key order, with its revisions and
+  // lease but not its value: which keys changed since a read is learned
+  // for the size of their names.
+  absl::StatusOr<Snapshot> ListPrefix(const std::string& prefix);
   // Returns the revision of the change.
   absl::StatusOr<int64_t> PutValue(const std::string& key,
                                    const std::string& value, int64_t lease = 0);
@@ -133,6 +137,8 @@ class EtcdClient {
   EtcdClient() = default;
   // A failed call as an error naming the endpoints and what was being done.
   absl::Status Failed(const grpc::Status& s, absl::string_view what) const;
+  absl::StatusOr<Snapshot> Range(const std::string& from,
+                                 const std::string& end, bool keys_only);
 
   std::string endpoints_;  // as given, for errors
   absl::Duration deadline_;

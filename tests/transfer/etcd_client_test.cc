@@ -74,6 +74,16 @@ TEST_F(EtcdClientTest, KeysAreWrittenAndReadBackByKeyAndPrefix) {
   ASSERT_TRUE(nothing.ok()) << nothing.status();
   EXPECT_FALSE(nothing->kv.has_value());
   EXPECT_EQ(nothing->revision, hosts->revision);
+  // Names and revisions alone.
+  auto listed = etcd_->ListPrefix("/job/hosts/");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->kvs.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(listed->kvs[i].key, hosts->kvs[i].key);
+    EXPECT_EQ(listed->kvs[i].value, "");
+    EXPECT_EQ(listed->kvs[i].mod_revision, hosts->kvs[i].mod_revision);
+  }
+  EXPECT_EQ(listed->revision, hosts->revision);
   EXPECT_EQ(etcd_->GetPrefix("/job/")->kvs.size(), 3u);
   // A prefix of more than gRPC's default 4 MiB a message, read whole.
   const std::string mib(1 << 20, 'm');
