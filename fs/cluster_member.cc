@@ -163,7 +163,9 @@ absl::Status ClusterMember::Start() {
           .on_copied = [this] { BeatNow(); },
           .live = [this](const std::string& name) { return IsLive(name); },
           .lost = [this](const std::string& name) { return IsLost(name); },
-          .hosts = std::move(every_host)});
+          .hosts = std::move(every_host),
+          .never_mounted =
+              [this](const std::string& name) { return NeverMounted(name); }});
   RETURN_IF_ERROR(saves_->Reconcile());
   job_.SetSaveAgreement({[this](const ParallelConfig& config) {
                            return ClusterSaves::RanksOfHost(config, host_);
@@ -451,6 +453,12 @@ bool ClusterMember::IsLost(const std::string& name) {
   return std::find(named.begin(), named.end(), name) == named.end();
 }
 
+bool ClusterMember::NeverMounted(const std::string& name) {
+  if (name == host_) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return mounted_.has_value() && !mounted_->contains(name);
+}
+
 std::optional<std::vector<int>> ClusterMember::HeldGroups(
     const ParallelConfig& config) const {
   if (config.hosts().empty()) return std::nullopt;
@@ -658,6 +666,7 @@ int64_t ClusterMember::ReadCluster() {
   }
   std::lock_guard<std::mutex> lock(mu_);
   hosts_ = std::move(hosts);
+  mounted_ = std::move(listed_names);
   return revision;
 }
 

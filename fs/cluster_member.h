@@ -112,6 +112,9 @@ class ClusterMember {
   // Whether host `name` is lost for good: not live, and left out of the
   // cluster's config (a config without it was accepted).
   bool IsLost(const std::string& name);
+  // Whether host `name` has never mounted the job: etcd, as last read,
+  // holds no progress of its (false before a first read).
+  bool NeverMounted(const std::string& name);
   // The groups of `config` this host holds: those of its ranks (and with
   // replicas, those of the hosts it is the next host of), or all when the
   // config names no hosts.
@@ -146,6 +149,8 @@ class ClusterMember {
   std::optional<ParallelConfig> agreed_;  // the cluster's config, as seen
   int64_t lease_ = 0;
   nlohmann::json hosts_ = nlohmann::json::array();  // as last read
+  // The hosts that recorded progress, as last read; unset before a read.
+  std::optional<std::set<std::string>> mounted_;
   std::string etcd_error_;        // the last failure to reach etcd
   std::string progress_written_;  // the last progress value put
   // Only the beat thread (and Start, before it) records progress: these

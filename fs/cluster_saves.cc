@@ -343,6 +343,10 @@ absl::Status ClusterSaves::Sweep(const std::vector<StepRecord>& recorded,
   for (const PendingStep& p : pending) waiting.insert(p.record.step);
   const int64_t newest = recorded.empty() ? -1 : recorded.back().step;
   ASSIGN_OR_RETURN(Saves read, ReadSaves());
+  int64_t newest_committed = -1;
+  for (const auto& [step, keys] : read.steps) {
+    if (keys.committed) newest_committed = step;
+  }
   for (auto& [step, keys] : read.steps) {
     if (!keys.committed) continue;
     // Recorded here, or older than the newest step here and not pending:
@@ -351,9 +355,13 @@ absl::Status ClusterSaves::Sweep(const std::vector<StepRecord>& recorded,
     if (!waiting.contains(step) && (here.contains(step) || step <= newest)) {
       RETURN_IF_ERROR(Acknowledge(step, keys));
     }
-    const bool all = std::all_of(
-        options_.hosts.begin(), options_.hosts.end(),
-        [&](const std::string& h) { return keys.recorded.contains(h); });
+    const bool all = std::all_of(options_.hosts.begin(), options_.hosts.end(),
+                                 [&](const std::string& h) {
+                                   return keys.recorded.contains(h) ||
+                                          (step < newest_committed &&
+                                           options_.never_mounted &&
+                                           options_.never_mounted(h));
+                                 });
     if (!all) continue;
     EtcdClient::Txn txn;
     txn.conditions.push_back(

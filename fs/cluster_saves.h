@@ -84,6 +84,10 @@ class ClusterSaves {
     // Every host of the cluster file: a committed step's keys go once
     // each has recorded the step or will never need it. Empty: they stay.
     std::vector<std::string> hosts;
+    // Whether host `name` has never mounted the job: it holds no part of
+    // any step, and needs only the newest committed step's keys, to record
+    // it when it first mounts. Unset: every host may have.
+    std::function<bool(const std::string& name)> never_mounted;
   };
 
   ClusterSaves(Job& job, EtcdClient& etcd, std::string host, KeyOf key,

@@ -43,6 +43,9 @@ LAYOUT = ["--layout", "megatron-core-gpt", "--param", f"vocab_size={VOCAB}",
           "--param", "gated_linear_unit=1", "--param", f"make_vocab_size_divisible_by={DIVISOR}",
           "--param", f"num_query_groups={GROUPS}"]
 HOSTS = ["h0", "h1", "h2", "h3"]
+# A standby host the cluster file lists and that never mounts: no peer
+# reaches it, and the keys of committed steps do not wait for it.
+SPARE = "h4"
 MEMBERS = ["e0", "e1", "e2"]
 START = "tp=2,pp=1,dp=1"
 
@@ -115,7 +118,7 @@ def wait_peers(mnt, reachable, error="", timeout=30):
     errors contain `error`; returns them."""
     deadline = time.time() + timeout
     while True:
-        peers = cluster_status(mnt)["peers"]
+        peers = {h: p for h, p in cluster_status(mnt)["peers"].items() if h != SPARE}
         if ({h for h, p in peers.items() if p["reachable"]} == set(reachable) and
                 all(error in p["error"] for p in peers.values() if not p["reachable"])):
             return peers
@@ -131,8 +134,8 @@ def held_as_stored(mnts, tmp, timeout=30):
     assert all(want.values()), want
     deadline = time.time() + timeout
     while True:
-        seen = [{h["name"]: h.get("bytes_held") for h in cluster_status(m)["hosts"]}
-                for m in mnts.values()]
+        seen = [{h["name"]: h.get("bytes_held") for h in cluster_status(m)["hosts"]
+                 if h["name"] != SPARE} for m in mnts.values()]
         if all(s == want for s in seen):
             return
         assert time.time() < deadline, (seen, want)
@@ -232,7 +235,8 @@ def main():
                 json.dump({"job": "gpt", "etcd": etcd.endpoints, "etcd_history_seconds": 2,
                            "token_file": "token",
                            "hosts": [{"name": h, "address": f"{net.address[h]}:7070"}
-                                     for h in HOSTS]}, f)
+                                     for h in HOSTS] +
+                                    [{"name": SPARE, "address": "127.0.0.1:7079"}]}, f)
             src = f"{tmp}/src"
             for rank, shard in rank_shards(full, START, True, DIVISOR, LAYERS).items():
                 os.makedirs(f"{src}/rank-{rank:05d}")
@@ -353,7 +357,7 @@ def hosted(mnts, full, config):
     wait_all(mnts, config)
     check_bytes(mnts["h2"], full, config, LAYERS, DIVISOR)
     ranks = {h["name"]: h["ranks"] for h in cluster_status(mnts["h0"])["hosts"]}
-    assert ranks == {"h0": [0, 1], "h1": [2, 3], "h2": [4, 5], "h3": [6, 7]}, ranks
+    assert ranks == {"h0": [0, 1], "h1": [2, 3], "h2": [4, 5], "h3": [6, 7], SPARE: None}, ranks
     assert write_config(mnts["h0"], "tp=2,pp=2,dp=2,hosts=h0+h9") == errno.EINVAL
     assert "no host \"h9\"" in status(mnts["h0"])["error"], status(mnts["h0"])
     assert write_config(mnts["h0"], "tp=2,pp=2,dp=2,hosts=h0+h1+h2") == errno.EINVAL
@@ -855,17 +859,6 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
         check_extras(m, 20)
         assert saves_waiting(m) == {}, (h, cluster_status(m)["saves"])
     print(f"step 20 saved across four hosts: committed on all once h3 saved its ranks")
-    # Once every host has recorded it, the step's keys leave etcd.
-    deadline = time.time() + 30
-    while True:
-        p = etcd.ctl("h0", "get", "--prefix", "--keys-only",
-                     "/scalai/gpt/saves/00000000000000000020/")
-        assert p.returncode == 0, p.stderr
-        if not p.stdout.strip():
-            break
-        assert time.time() < deadline, p.stdout
-        time.sleep(0.2)
-    print("step 20's keys left etcd once every host had recorded it")
 
     # Step 30: h3's mount SIGKILLed with one rank of its two saved.
     _, shards30 = model(30)
@@ -905,6 +898,20 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
         check_bytes(m, full, config, LAYERS, DIVISOR)
         check_extras(m, 30)
     print("step 30 saved while h1 was cut off: committed everywhere once it was back")
+    # Every host has recorded step 20, and the spare never mounted: it will
+    # need only the newest step. Step 20's keys leave etcd; step 30's stay.
+    def saves_keys(step):
+        p = etcd.ctl("h0", "get", "--prefix", "--keys-only", f"/scalai/gpt/saves/{step:020d}/")
+        assert p.returncode == 0, p.stderr
+        return p.stdout.split()
+
+    deadline = time.time() + 30
+    while saves_keys(20):
+        assert time.time() < deadline, saves_keys(20)
+        time.sleep(0.2)
+    assert f"/scalai/gpt/saves/{30:020d}/committed" in saves_keys(30), saves_keys(30)
+    print("step 20's keys left etcd once every host that ever mounted had recorded it; "
+          "step 30's, the newest, stay for the spare host")
 
     # Step 35: every host begins it and h3's mount ends before any host has
     # voted. The others vote after h3 is mounted again; their votes say the
