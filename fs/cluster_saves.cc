@@ -212,7 +212,8 @@ absl::StatusOr<ClusterSaves::Saves> ClusterSaves::ReadSaves(int64_t from) {
       steps[step].withdrawn = kv.mod_revision;
     }
   }
-  for (auto& [step, keys] : steps) {
+  for (auto& entry : steps) {
+    StepKeys& keys = entry.second;
     if (keys.withdrawn == 0) continue;
     std::erase_if(keys.votes, [&](auto& vote) {
       if (BegunOf(vote.second.value).value_or(keys.withdrawn) >=
@@ -347,7 +348,9 @@ absl::Status ClusterSaves::Sweep(const std::vector<StepRecord>& recorded,
   for (const auto& [step, keys] : read.steps) {
     if (keys.committed) newest_committed = step;
   }
-  for (auto& [step, keys] : read.steps) {
+  for (auto& entry : read.steps) {
+    const int64_t step = entry.first;
+    StepKeys& keys = entry.second;
     if (!keys.committed) continue;
     // Recorded here, or older than the newest step here and not pending:
     // a step the retention dropped, or one from before this host joined,
