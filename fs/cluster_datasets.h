@@ -4,7 +4,9 @@
 // (one etcd transaction), and compares it with what is there: format,
 // samples, global batch, seed, epochs and the XXH3 of the source files'
 // bytes. A dataset whose copy here differs is withheld from this host's
-// views (Store::WithholdDataset) and returned with the reason, naming both.
+// views (Store::WithholdDataset) and returned with the reason, naming both,
+// unless no other host is live: then this copy becomes the cluster's (a
+// dataset registered again with other content, every host unmounted).
 //
 //   ASSIGN_OR_RETURN(auto refused, CompareDatasets(store, etcd, key, "h1"));
 #ifndef SCALAI_FS_CLUSTER_DATASETS_H_

@@ -950,7 +950,8 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
 def datasets_compared(mnts, mount, mounts, tmp):
     """A dataset registered on every host: three copies agree and are
     served; h3's copy, one sample changed (same lines, same sizes), is
-    refused there, and its status says why."""
+    refused there, and its status says why. With every host unmounted, the
+    first one mounted again sets the cluster's copy."""
     lines = [json.dumps({"id": i, "text": "sample %d" % i}) for i in range(64)]
     copies = {"same": lines, "changed": lines[:10] + [lines[10].replace("sample", "SAMPLE")] + lines[11:]}
     for name, text in copies.items():
@@ -972,6 +973,30 @@ def datasets_compared(mnts, mount, mounts, tmp):
     assert list(refused) == ["tokens"] and "content" in refused["tokens"], refused
     assert "dataset tokens differs from the cluster's" in status(mnts["h3"])["error"], status(mnts["h3"])
     print(f"a differing dataset copy refused on h3: {refused['tokens']}")
+    # Every host unmounted, the first mounted again makes its copy the
+    # cluster's (a dataset registered again with other content); a host
+    # with the other copy is then refused. Mounted again h0 first, every
+    # host is as before.
+    for h in HOSTS:
+        run("umount", mnts[h])
+        mounts.discard(mnts[h])
+    mount("h3")
+    mount("h0")
+    wait_all({h: mnts[h] for h in ["h0", "h3"]}, SAVE_CONFIG)
+    assert "tokens" in os.listdir(f"{mnts['h3']}/data")
+    assert cluster_status(mnts["h3"])["datasets_refused"] == {}
+    assert "tokens" not in os.listdir(f"{mnts['h0']}/data")
+    refused = cluster_status(mnts["h0"])["datasets_refused"]
+    assert list(refused) == ["tokens"] and "live now: h3" in refused["tokens"], refused
+    for h in ["h0", "h3"]:
+        run("umount", mnts[h])
+        mounts.discard(mnts[h])
+    for h in HOSTS:
+        mount(h)
+    wait_all(mnts, SAVE_CONFIG)
+    assert "tokens" in os.listdir(f"{mnts['h0']}/data")
+    assert list(cluster_status(mnts["h3"])["datasets_refused"]) == ["tokens"]
+    print("every host unmounted, the first mounted again made its copy the cluster's")
 
 
 
