@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse, test_seed  # noqa
+from harness import Mounts, deadline_in, require_fuse, test_seed  # noqa
 from netns import Etcd, Network, require_netns, server_pid  # noqa
 from reference import (distopt_of, fsdp_of, parse_config, rank_shards, random_gpt,  # noqa
                        scalai, write_safetensors)
@@ -88,7 +88,7 @@ def write_config(mnt, config):
 
 def wait_all(mnts, config, timeout=60):
     """Every host shows `config`, materialized; returns their statuses."""
-    deadline = time.time() + timeout
+    deadline = deadline_in(timeout)
     while True:
         got = {h: status(m) for h, m in mnts.items()}
         if all(s["config"] == config and s["state"] == "ready" for s in got.values()):
@@ -104,7 +104,7 @@ def cluster_status(mnt):
 
 def wait_live(mnt, want, timeout=30):
     """`scalai cluster status` on `mnt` shows exactly the hosts `want` live."""
-    deadline = time.time() + timeout
+    deadline = deadline_in(timeout)
     while True:
         live = {h["name"] for h in cluster_status(mnt)["hosts"] if h["live"]}
         if live == set(want):
@@ -116,7 +116,7 @@ def wait_live(mnt, want, timeout=30):
 def wait_peers(mnt, reachable, error="", timeout=30):
     """`mnt`'s host reaches exactly the peers in `reachable`, and the others'
     errors contain `error`; returns them."""
-    deadline = time.time() + timeout
+    deadline = deadline_in(timeout)
     while True:
         peers = {h: p for h, p in cluster_status(mnt)["peers"].items() if h != SPARE}
         if ({h for h, p in peers.items() if p["reachable"]} == set(reachable) and
@@ -132,7 +132,7 @@ def held_as_stored(mnts, tmp, timeout=30):
     want = {h: sum(os.path.getsize(f"{tmp}/{h}/store/blobs/{b}")
                    for b in os.listdir(f"{tmp}/{h}/store/blobs")) for h in HOSTS}
     assert all(want.values()), want
-    deadline = time.time() + timeout
+    deadline = deadline_in(timeout)
     while True:
         seen = [{h["name"]: h.get("bytes_held") for h in cluster_status(m)["hosts"]
                  if h["name"] != SPARE} for m in mnts.values()]
@@ -399,7 +399,7 @@ def racing(r, mnts, config):
     assert 0 in results.values(), results
     errors = said
     # Whichever committed last is the cluster's config.
-    deadline = time.time() + 60
+    deadline = deadline_in(60)
     while True:
         configs = {status(m)["config"] for m in mnts.values()}
         if len(configs) == 1 and configs <= {a, b}:
@@ -429,7 +429,7 @@ def leader_killed(r, net, etcd, mnts, full, config):
     writer.start()
     etcd.kill(leader)
     writer.join()
-    deadline = time.time() + 60
+    deadline = deadline_in(60)
     while True:
         configs = {status(m)["config"] for m in mnts.values()}
         if len(configs) == 1 and all(s["state"] == "ready" for s in map(status, mnts.values())):
@@ -444,7 +444,7 @@ def leader_killed(r, net, etcd, mnts, full, config):
           f"every host on {ended}")
     config = ended
     new = next_config(r, config)
-    deadline = time.time() + 60
+    deadline = deadline_in(60)
     while write_config(mnts["h1"], new) != 0:  # refused while etcd elects
         assert time.time() < deadline, status(mnts["h1"])
         time.sleep(0.5)
@@ -483,7 +483,7 @@ def partitioned(r, net, mnts, full, config):
     try:
         wait_peers(mnts["h0"], ["h1", "h3"], error="h2")
         wait_live(mnts["h0"], ["h0", "h1", "h3"])
-        deadline = time.time() + 30
+        deadline = deadline_in(30)
         while not status(mnts["h2"])["cluster"]["etcd_error"]:
             assert time.time() < deadline, status(mnts["h2"])
             time.sleep(0.2)
@@ -519,7 +519,7 @@ def cut_while_materializing(net, mnts, full, config):
     net.link("h1", False)
     try:
         assert write_config(mnts["h2"], moved) == 0, status(mnts["h2"])
-        deadline = time.time() + 90
+        deadline = deadline_in(90)
         while True:
             s = status(mnts["h0"])
             if s["config"] == moved and s["state"] == "failed":
@@ -553,7 +553,7 @@ def killed_while_fetching(net, mnts, mount, mounts, full, config, tmp):
         net.throttle(h, "2mbit")
     try:
         assert write_config(mnts["h3"], swapped) == 0, status(mnts["h3"])
-        deadline = time.time() + 60
+        deadline = deadline_in(60)
         while True:
             s = status(mnts["h0"])
             if s["config"] == swapped and s["state"] == "materializing" and s["bytes_moved"] > 0:
@@ -563,7 +563,7 @@ def killed_while_fetching(net, mnts, mount, mounts, full, config, tmp):
             time.sleep(0.02)
         kill_host("h0", mnts, mounts, tmp)
         print(f"h0 killed with {s['bytes_moved']} of {s['bytes_to_move']} bytes materialized")
-        deadline = time.time() + 60
+        deadline = deadline_in(60)
         while True:
             s = status(mnts["h1"])
             if s["state"] == "failed":
@@ -596,7 +596,7 @@ def wait_released(mnt, host, config, timeout=30):
     """`host`, seen from `mnt`, has recorded `config` materialized and holds
     one set of shards per step: what it kept for its peers after the switch
     has been released."""
-    deadline = time.time() + timeout
+    deadline = deadline_in(timeout)
     while True:
         entry = [h for h in cluster_status(mnt)["hosts"] if h["name"] == host][0]
         holds = entry.get("holds", [])
@@ -673,7 +673,7 @@ def intruder(net, mnts, mounts, tmp):
     try:
         wait_peers(mnts["h3"], [], error="lacks the job's token")
         wait_peers(mnts["h0"], ["h1", "h2"], error="lacks the job's token")
-        deadline = time.time() + 30
+        deadline = deadline_in(30)
         while cluster_status(mnts["h0"])["peer_calls_refused"] <= refused_before:
             assert time.time() < deadline
             time.sleep(0.2)
@@ -794,14 +794,14 @@ def saves_waiting(mnt):
 
 
 def wait_voted(mnt, step, voters, timeout=30):
-    deadline = time.time() + timeout
+    deadline = deadline_in(timeout)
     while sorted(saves_waiting(mnt).get(step, [])) != sorted(voters):
         assert time.time() < deadline, (step, voters, cluster_status(mnt)["saves"])
         time.sleep(0.1)
 
 
 def wait_latest(mnts, step, timeout=60):
-    deadline = time.time() + timeout
+    deadline = deadline_in(timeout)
     want = f"step-{step:08d}"
     while True:
         got = {h: latest(m) for h, m in mnts.items()}
@@ -872,7 +872,7 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
     assert all(latest(m) == "step-00000020" for m in others.values())
     mount("h3")
     wait_all(mnts, config)
-    deadline = time.time() + 30
+    deadline = deadline_in(30)
     while any(saves_waiting(m) for m in mnts.values()):
         assert time.time() < deadline, {h: cluster_status(m)["saves"] for h, m in mnts.items()}
         time.sleep(0.1)
@@ -905,7 +905,7 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
         assert p.returncode == 0, p.stderr
         return p.stdout.split()
 
-    deadline = time.time() + 30
+    deadline = deadline_in(30)
     while saves_keys(20):
         assert time.time() < deadline, saves_keys(20)
         time.sleep(0.2)
@@ -926,7 +926,7 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
     wait_all(mnts, config)
     for h in ["h0", "h1", "h2"]:
         save_ranks(mnts[h], 35, config, shards35, host_ranks(h)[1:])
-    deadline = time.time() + 30
+    deadline = deadline_in(30)
     while any(status(m)["saving"] or saves_waiting(m) for m in mnts.values()):
         assert time.time() < deadline, {
             h: (status(m)["saving"], cluster_status(m)["saves"]) for h, m in mnts.items()}
@@ -1002,7 +1002,7 @@ def datasets_compared(mnts, mount, mounts, tmp):
 
 def holds_of(mnt, host, step, timeout=30):
     """The groups of `step` that `host` holds, as `mnt` sees it reported."""
-    deadline = time.time() + timeout
+    deadline = deadline_in(timeout)
     while True:
         entry = [h for h in cluster_status(mnt)["hosts"] if h["name"] == host][0]
         groups = [e["groups"] for e in entry.get("holds", []) if e["step"] == step]
@@ -1093,7 +1093,7 @@ def replicas_kept(seed, net, mnts, mount, mounts, tmp):
     wait_all(alive, fewer)
     for h in ["h0", "h2"]:
         check_bytes(mnts[h], full, fewer, LAYERS, DIVISOR)
-    deadline = time.time() + 30
+    deadline = deadline_in(30)
     while any(saves_waiting(m) for m in alive.values()):
         assert time.time() < deadline, {h: cluster_status(m)["saves"] for h, m in alive.items()}
         time.sleep(0.1)
@@ -1103,7 +1103,7 @@ def replicas_kept(seed, net, mnts, mount, mounts, tmp):
     wait_all(mnts, fewer)
     check_bytes(mnts["h1"], full, fewer, LAYERS, DIVISOR)
     # (From its start on, a host lists the steps it holds a part of.)
-    deadline = time.time() + 30
+    deadline = deadline_in(30)
     while 55 in saves_waiting(mnts["h1"]):
         assert time.time() < deadline, cluster_status(mnts["h1"])["saves"]
         time.sleep(0.1)

@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 
 def require_fuse():
@@ -41,6 +42,13 @@ def synth_store(binary, tmp, config, model, vocab, step=100, seed=1):
         p = subprocess.run([binary, *args], capture_output=True, text=True)
         assert p.returncode == 0, f"scalai {' '.join(args)}: {p.stderr}"
     return src, store
+
+
+def deadline_in(seconds):
+    """The time `seconds` from now, times SCALAI_TEST_SLOW (default 1): a
+    build under the sanitizers runs several times slower, and its waits
+    must be too."""
+    return time.time() + seconds * float(os.environ.get("SCALAI_TEST_SLOW", "1"))
 
 
 def test_seed():
