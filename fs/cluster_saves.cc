@@ -30,6 +30,22 @@ std::optional<int64_t> BegunOf(const std::string& vote) {
   return j["begun"].get<int64_t>();
 }
 
+// The config a step was saved under, as the first of its votes that names
+// one says.
+std::optional<ParallelConfig> VotedConfig(
+    const std::map<std::string, EtcdClient::KeyValue>& votes) {
+  for (const auto& [host, kv] : votes) {
+    const nlohmann::json j = nlohmann::json::parse(kv.value, nullptr, false);
+    if (!j.is_object() || !j.contains("config") || !j["config"].is_string()) {
+      continue;
+    }
+    absl::StatusOr<ParallelConfig> parsed =
+        ParallelConfig::Parse(j["config"].get<std::string>());
+    if (parsed.ok()) return *std::move(parsed);
+  }
+  return std::nullopt;
+}
+
 // A vote and a commit carry the step as the catalog records it, less the
 // shards: config, groups, bytes and, from rank 0's host, the data position.
 nlohmann::json StepJson(const StepRecord& step) {
@@ -250,17 +266,10 @@ absl::Status ClusterSaves::WithdrawAbandoned(std::map<int64_t, StepKeys>& steps,
     // The step began on some host before this one started (a vote from a
     // version that does not say when counts as later: it waits, as before).
     bool earlier = false;
-    std::optional<ParallelConfig> config;
     for (const auto& [host, kv] : keys.votes) {
-      const nlohmann::json j = nlohmann::json::parse(kv.value, nullptr, false);
-      if (!j.is_object()) continue;
       if (BegunOf(kv.value).value_or(since_) < since_) earlier = true;
-      if (!config && j.contains("config") && j["config"].is_string()) {
-        absl::StatusOr<ParallelConfig> parsed =
-            ParallelConfig::Parse(j["config"].get<std::string>());
-        if (parsed.ok()) config = *std::move(parsed);
-      }
     }
+    const std::optional<ParallelConfig> config = VotedConfig(keys.votes);
     if (earlier && config && Voters(*config).contains(host_)) {
       RETURN_IF_ERROR(Withdraw(step));
       keys.votes.clear();
@@ -312,13 +321,9 @@ absl::Status ClusterSaves::Reconcile() {
     if (keys.committed || keys.votes.empty() || saved.contains(step)) {
       continue;
     }
-    absl::StatusOr<StepRecord> voted = StepFromJson(
-        step, keys.votes.begin()->second.value, keys.votes.begin()->first);
-    if (!voted.ok()) continue;
-    absl::StatusOr<ParallelConfig> config =
-        ParallelConfig::Parse(voted->config);
+    const std::optional<ParallelConfig> config = VotedConfig(keys.votes);
     // A step this host had to save and did not: it can no longer be.
-    if (config.ok() && Voters(*config).contains(host_)) {
+    if (config && Voters(*config).contains(host_)) {
       RETURN_IF_ERROR(Withdraw(step));
     }
   }
@@ -390,12 +395,8 @@ absl::Status ClusterSaves::WithdrawLost(std::map<int64_t, StepKeys>& steps) {
   if (!options_.lost) return absl::OkStatus();
   for (auto& [step, keys] : steps) {
     if (keys.committed || keys.votes.empty()) continue;
-    absl::StatusOr<StepRecord> voted = StepFromJson(
-        step, keys.votes.begin()->second.value, keys.votes.begin()->first);
-    if (!voted.ok()) continue;
-    absl::StatusOr<ParallelConfig> config =
-        ParallelConfig::Parse(voted->config);
-    if (!config.ok()) continue;
+    const std::optional<ParallelConfig> config = VotedConfig(keys.votes);
+    if (!config) continue;
     for (const std::string& voter : Voters(*config)) {
       if (!keys.votes.contains(voter) && options_.lost(voter)) {
         RETURN_IF_ERROR(Withdraw(step));
