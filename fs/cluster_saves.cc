@@ -30,6 +30,15 @@ std::optional<int64_t> BegunOf(const std::string& vote) {
   return j["begun"].get<int64_t>();
 }
 
+// A step not yet committed as `status` lists it under cluster.saves: which
+// hosts voted for it.
+nlohmann::json PendingStatus(
+    int64_t step, const std::map<std::string, EtcdClient::KeyValue>& votes) {
+  nlohmann::json voted = nlohmann::json::array();
+  for (const auto& [host, kv] : votes) voted.push_back(host);
+  return {{"step", step}, {"voted", std::move(voted)}};
+}
+
 // The config a step was saved under, as the first of its votes that names
 // one says.
 std::optional<ParallelConfig> VotedConfig(
@@ -309,10 +318,9 @@ absl::Status ClusterSaves::Reconcile() {
     nlohmann::json status = nlohmann::json::array();
     for (const PendingStep& p : pending) {
       const StepKeys& keys = steps[p.record.step];
-      if (keys.committed) continue;
-      nlohmann::json voted = nlohmann::json::array();
-      for (const auto& [host, kv] : keys.votes) voted.push_back(host);
-      status.push_back({{"step", p.record.step}, {"voted", voted}});
+      if (!keys.committed) {
+        status.push_back(PendingStatus(p.record.step, keys.votes));
+      }
     }
     std::lock_guard<std::mutex> lock(mu_);
     status_ = std::move(status);
@@ -837,9 +845,7 @@ absl::Status ClusterSaves::Advance() {
       Forget(step);
     }
     if (!keys.committed && (!keys.votes.empty() || mine.contains(step))) {
-      nlohmann::json voted = nlohmann::json::array();
-      for (const auto& [host, kv] : keys.votes) voted.push_back(host);
-      status.push_back({{"step", step}, {"voted", voted}});
+      status.push_back(PendingStatus(step, keys.votes));
     }
   }
   {

@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <thread>
@@ -286,6 +287,34 @@ absl::Status EtcdClient::Compact(int64_t revision) {
     return Failed(s, absl::StrCat("compacting to revision ", revision));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<EtcdClient::Snapshot> EtcdClient::GetMany(
+    const std::vector<std::string>& keys) {
+  Snapshot snapshot;
+  for (size_t first = 0; first < keys.size(); first += kMaxTxnOps) {
+    const size_t last = std::min(keys.size(), first + kMaxTxnOps);
+    // No condition: the transaction's reads always run, at one revision.
+    pb::TxnRequest request;
+    for (size_t i = first; i < last; ++i) {
+      request.add_success()->mutable_request_range()->set_key(keys[i]);
+    }
+    grpc::ClientContext ctx;
+    Prepare(ctx, deadline_);
+    pb::TxnResponse response;
+    grpc::Status s = stubs_->kv->Txn(&ctx, request, &response);
+    if (!s.ok()) {
+      return Failed(s, absl::StrCat("reading ", last - first, " keys from ",
+                                    keys[first]));
+    }
+    snapshot.revision = response.header().revision();
+    for (const pb::ResponseOp& op : response.responses()) {
+      for (const pb::KeyValue& kv : op.response_range().kvs()) {
+        snapshot.kvs.push_back(FromPb(kv));
+      }
+    }
+  }
+  return snapshot;
 }
 
 absl::StatusOr<EtcdClient::Committed> EtcdClient::Commit(const Txn& txn) {

@@ -102,6 +102,14 @@ class EtcdClient {
   // lease but not its value: which keys changed since a read is learned
   // for the size of their names.
   absl::StatusOr<Snapshot> ListPrefix(const std::string& prefix);
+  // The keys named that are present, in the order given, read in one
+  // round trip per kMaxTxnOps keys (each batch one transaction, so at one
+  // revision; the snapshot's revision is the last batch's): what changed
+  // since a ListPrefix is read without the values that did not.
+  absl::StatusOr<Snapshot> GetMany(const std::vector<std::string>& keys);
+  // etcd's default limit on the operations of one transaction
+  // (--max-txn-ops).
+  static constexpr size_t kMaxTxnOps = 128;
   // Returns the revision of the change.
   absl::StatusOr<int64_t> PutValue(const std::string& key,
                                    const std::string& value, int64_t lease = 0);

@@ -6,9 +6,13 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
+#include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
@@ -93,6 +97,39 @@ TEST_F(EtcdClientTest, KeysAreWrittenAndReadBackByKeyAndPrefix) {
   ASSERT_TRUE(big.ok()) << big.status();
   ASSERT_EQ(big->kvs.size(), 5u);
   EXPECT_TRUE(big->kvs[4].value == mib);
+}
+
+// Named keys read together: those present, in the order asked, over more
+// than one transaction's worth of keys; an absent key is left out and none
+// asked makes no call.
+TEST_F(EtcdClientTest, ManyNamedKeysAreReadTogether) {
+  std::vector<std::string> keys;
+  for (int i = 0; i < 300; ++i) {
+    keys.push_back(absl::StrFormat("/job/progress/h%03d", i));
+    if (i % 7 == 3) continue;  // never written
+    ASSERT_TRUE(etcd_->PutValue(keys.back(), absl::StrCat("v", i)).ok());
+  }
+  std::reverse(keys.begin(), keys.end());
+  auto read = etcd_->GetMany(keys);
+  ASSERT_TRUE(read.ok()) << read.status();
+  std::vector<std::string> expected;
+  for (const std::string& key : keys) {
+    if (std::stoi(key.substr(key.size() - 3)) % 7 != 3) expected.push_back(key);
+  }
+  ASSERT_EQ(read->kvs.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(read->kvs[i].key, expected[i]);
+    EXPECT_EQ(read->kvs[i].value,
+              absl::StrCat(
+                  "v", std::stoi(expected[i].substr(expected[i].size() - 3))));
+    EXPECT_GT(read->kvs[i].mod_revision, 0);
+  }
+  auto listed = etcd_->ListPrefix("/job/progress/");
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(read->revision, listed->revision);
+  auto none = etcd_->GetMany({});
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->kvs.empty());
 }
 
 // A value over what etcd takes in one request (1.5 MiB) is refused put
