@@ -280,7 +280,7 @@ absl::Status ClusterSaves::WithdrawAbandoned(std::map<int64_t, StepKeys>& steps,
     }
     const std::optional<ParallelConfig> config = VotedConfig(keys.votes);
     if (earlier && config && Voters(*config).contains(host_)) {
-      RETURN_IF_ERROR(Withdraw(step));
+      RETURN_IF_ERROR(Withdraw(step).status());
       keys.votes.clear();
     }
   }
@@ -332,7 +332,7 @@ absl::Status ClusterSaves::Reconcile() {
     const std::optional<ParallelConfig> config = VotedConfig(keys.votes);
     // A step this host had to save and did not: it can no longer be.
     if (config && Voters(*config).contains(host_)) {
-      RETURN_IF_ERROR(Withdraw(step));
+      RETURN_IF_ERROR(Withdraw(step).status());
     }
   }
   return absl::OkStatus();
@@ -388,7 +388,7 @@ absl::Status ClusterSaves::Sweep(const std::vector<StepRecord>& recorded,
   return absl::OkStatus();
 }
 
-absl::Status ClusterSaves::Withdraw(int64_t step) {
+absl::StatusOr<int64_t> ClusterSaves::Withdraw(int64_t step) {
   EtcdClient::Txn txn;
   txn.conditions.push_back({StepPrefix(step) + "committed", 0});
   txn.delete_prefixes.push_back(StepPrefix(step) + "vote/");
@@ -396,7 +396,32 @@ absl::Status ClusterSaves::Withdraw(int64_t step) {
   // after, or mount again with it pending; a part begun before is void.
   // (The key stays until the step number is saved and committed.)
   txn.puts.push_back({StepPrefix(step) + "withdrawn", ""});
-  return etcd_.Commit(txn).status();
+  ASSIGN_OR_RETURN(EtcdClient::Committed done, etcd_.Commit(txn));
+  return done.applied ? done.revision : 0;
+}
+
+absl::Status ClusterSaves::WithdrawRemoved() {
+  for (const SaveArea::Removed& r : job_.saves().RemovedSteps()) {
+    // A host that runs none of the step's saving ranks cannot hold it up:
+    // its directory was all it had of the step.
+    if (Voters(r.config).contains(host_)) {
+      ASSIGN_OR_RETURN(const int64_t withdrawn, Withdraw(r.step));
+      if (withdrawn == 0) {
+        job_.ReportError(absl::StrCat(
+            "step ", r.step, " was removed here after the cluster committed ",
+            "it: it stays (every host had voted for it)"));
+      } else {
+        // This host's part, if it was pending, goes only now: before the
+        // withdrawal, its vote could still have committed the step.
+        ASSIGN_OR_RETURN(std::optional<PendingStep> mine,
+                         job_.store().FindPending(r.step));
+        if (mine) RETURN_IF_ERROR(job_.DiscardSave(r.step));
+        Forget(r.step);
+      }
+    }
+    job_.saves().ReleaseRemoved(r.step);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ClusterSaves::WithdrawLost(std::map<int64_t, StepKeys>& steps) {
@@ -407,7 +432,7 @@ absl::Status ClusterSaves::WithdrawLost(std::map<int64_t, StepKeys>& steps) {
     if (!config) continue;
     for (const std::string& voter : Voters(*config)) {
       if (!keys.votes.contains(voter) && options_.lost(voter)) {
-        RETURN_IF_ERROR(Withdraw(step));
+        RETURN_IF_ERROR(Withdraw(step).status());
         keys.votes.clear();
         break;
       }
@@ -733,6 +758,9 @@ absl::StatusOr<bool> ClusterSaves::TryCommit(int64_t step, StepKeys& keys) {
 }
 
 absl::Status ClusterSaves::Advance() {
+  // First: a step begun again here after its removal is listed below with
+  // a revision after the withdrawal, so it is not void.
+  RETURN_IF_ERROR(WithdrawRemoved());
   // Listed before etcd is read: the read's revision is then no earlier than
   // the beginning of any step first seen here.
   const std::vector<SaveNode> saving = job_.saves().Steps();

@@ -196,7 +196,15 @@ class ClusterSaves {
   // Commits `step` when every voter voted, under one config; true if it
   // now is committed.
   absl::StatusOr<bool> TryCommit(int64_t step, StepKeys& keys);
-  absl::Status Withdraw(int64_t step);
+  // Withdraws a step not committed: its votes go and saves/STEP/withdrawn
+  // is put. Returns the revision of the withdrawal; 0 if the step
+  // committed first.
+  absl::StatusOr<int64_t> Withdraw(int64_t step);
+  // Withdraws the steps removed here before they committed (SaveArea's
+  // RemovedSteps) whose saving ranks this host runs, and drops this host's
+  // part: a save that failed and was removed with rm -r is dropped
+  // everywhere, as a host's unmount before it saved would drop it.
+  absl::Status WithdrawRemoved();
   // Says, under saves/STEP/recorded/HOST, that this host will not need
   // the committed step's keys again.
   absl::Status Acknowledge(int64_t step, StepKeys& keys);

@@ -70,6 +70,12 @@ absl::StatusOr<SaveNode> SaveArea::MkdirStep(absl::string_view name,
         "ckpt/", Excerpt(name), ": a step directory is named step-NNNNNNNN"));
   }
   std::lock_guard<std::mutex> lock(mu_);
+  if (removed_.contains(*step)) {
+    return absl::UnavailableError(absl::StrCat(
+        "step ", *step,
+        " was removed here and is being withdrawn from the cluster: it can "
+        "be saved again once etcd has recorded that"));
+  }
   if (steps_.contains(*step)) {
     return absl::AlreadyExistsError(absl::StrCat(
         "step ", *step,
@@ -317,6 +323,10 @@ absl::Status SaveArea::Rmdir(uint64_t parent, absl::string_view name) {
         absl::StrCat("step ", n.node.step, " is committed"));
   }
   if (n.node.rank < 0) {
+    if (ranks_of_host_) {
+      removed_.insert_or_assign(n.node.step,
+                                steps_.at(n.node.step).writer->config());
+    }
     steps_.erase(n.node.step);  // its writer removes its blobs
   } else if (!n.node.extra) {
     steps_.at(n.node.step).writer->Leave(n.node.rank);
@@ -325,10 +335,23 @@ absl::Status SaveArea::Rmdir(uint64_t parent, absl::string_view name) {
   return absl::OkStatus();
 }
 
+std::vector<SaveArea::Removed> SaveArea::RemovedSteps() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Removed> out;
+  for (const auto& [step, config] : removed_) out.push_back({step, config});
+  return out;
+}
+
+void SaveArea::ReleaseRemoved(int64_t step) {
+  std::lock_guard<std::mutex> lock(mu_);
+  removed_.erase(step);
+}
+
 void SaveArea::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   nodes_.clear();
   steps_.clear();
+  removed_.clear();
 }
 
 absl::StatusOr<bool> SaveArea::Close(uint64_t ino,

@@ -86,6 +86,16 @@ class SaveArea {
 
   absl::Status Unlink(uint64_t parent, absl::string_view name);
   absl::Status Rmdir(uint64_t parent, absl::string_view name);
+  // On a host of a cluster: the steps whose directory was removed before
+  // they committed (rm -r of a save that failed), with the config each was
+  // saved under. The cluster withdraws each, then releases it here: until
+  // then the step number cannot be begun again on this host.
+  struct Removed {
+    int64_t step = 0;
+    ParallelConfig config;
+  };
+  std::vector<Removed> RemovedSteps() const;
+  void ReleaseRemoved(int64_t step);
   // Removes every step (unmount).
   void Clear();
 
@@ -126,10 +136,11 @@ class SaveArea {
 
   Store& store_;
   mutable std::mutex mu_;
-  RanksOfHost ranks_of_host_;       // guarded by mu_
-  uint64_t next_ino_ = 2;           // guarded by mu_
-  std::map<uint64_t, Node> nodes_;  // guarded by mu_
-  std::map<int64_t, Step> steps_;   // guarded by mu_
+  RanksOfHost ranks_of_host_;                  // guarded by mu_
+  uint64_t next_ino_ = 2;                      // guarded by mu_
+  std::map<uint64_t, Node> nodes_;             // guarded by mu_
+  std::map<int64_t, Step> steps_;              // guarded by mu_
+  std::map<int64_t, ParallelConfig> removed_;  // guarded by mu_
 };
 
 }  // namespace scalai

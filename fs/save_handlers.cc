@@ -111,16 +111,19 @@ void OnMkdir(fuse_req_t req, fuse_ino_t parent, const char* name, mode_t) {
     }
   }
   if (!made.ok()) {
+    // (A directory that exists is no news: every worker's makedirs meets
+    // its step's.)
     const absl::StatusCode code = made.status().code();
     if (code == absl::StatusCode::kInvalidArgument ||
         code == absl::StatusCode::kFailedPrecondition ||
-        (saving && code == absl::StatusCode::kPermissionDenied)) {
+        (saving && (code == absl::StatusCode::kPermissionDenied ||
+                    code == absl::StatusCode::kUnavailable))) {
       ReportSaveError(s, made.status());
     }
-    fuse_reply_err(req,
-                   made.status().code() == absl::StatusCode::kFailedPrecondition
-                       ? EROFS
-                       : ToErrno(made.status()));
+    int error = ToErrno(made.status());
+    if (code == absl::StatusCode::kFailedPrecondition) error = EROFS;
+    if (code == absl::StatusCode::kUnavailable) error = EAGAIN;  // retry
+    fuse_reply_err(req, error);
     return;
   }
   fuse_entry_param e = SaveEntry(s, *made);

@@ -238,6 +238,46 @@ TEST_F(JobTest, AHostsPartOfAStepWaitsForTheCluster) {
   EXPECT_EQ(store_->PendingSteps()->size(), 1u);
 }
 
+// A step removed before it committed (rm -r of a save that failed): a
+// cluster's host lists it for the cluster to withdraw and refuses to begin
+// it again until then; a single host forgets it at once.
+TEST_F(JobTest, AStepRemovedOnAHostWaitsForTheClusterToWithdrawIt) {
+  const ParallelConfig single = *ParallelConfig::Parse("tp=2,pp=1,dp=1");
+  std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
+  const auto begin_and_remove = [&](const ParallelConfig& config) {
+    SaveArea& area = job->saves();
+    auto dir = area.MkdirStep("step-00000060", config);
+    ASSERT_TRUE(dir.ok()) << dir.status();
+    ASSERT_TRUE(area.Mkdir(dir->ino, "rank-00000").ok());
+    ASSERT_TRUE(area.Rmdir(dir->ino, "rank-00000").ok());
+    ASSERT_TRUE(area.Rmdir(0, "step-00000060").ok());
+  };
+  begin_and_remove(single);
+  EXPECT_TRUE(job->saves().RemovedSteps().empty());
+
+  job->SetAgreement([](const ParallelConfig&) { return absl::OkStatus(); });
+  const ParallelConfig hosted =
+      *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=a+b");
+  ASSERT_TRUE(job->Reconfigure(hosted).ok());
+  ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+  job->SetSaveAgreement(
+      {[](const ParallelConfig&) { return std::vector<int>{0}; },
+       [](int64_t) {}});
+  begin_and_remove(hosted);
+  SaveArea& area = job->saves();
+  std::vector<SaveArea::Removed> removed = area.RemovedSteps();
+  ASSERT_EQ(removed.size(), 1u);
+  EXPECT_EQ(removed[0].step, 60);
+  EXPECT_EQ(removed[0].config.ToString(), hosted.ToString());
+  absl::StatusOr<SaveNode> again = area.MkdirStep("step-00000060", hosted);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(again.status().message().find("being withdrawn"), std::string::npos)
+      << again.status();
+  area.ReleaseRemoved(60);
+  EXPECT_TRUE(area.RemovedSteps().empty());
+  EXPECT_TRUE(area.MkdirStep("step-00000060", hosted).ok());
+}
+
 // With `--replicas 2`, a host also keeps copies of another host's shards
 // of a pending step: they are held with its own part once the step commits,
 // and a copy found to differ is dropped with its blob.

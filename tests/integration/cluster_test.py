@@ -18,6 +18,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -944,7 +945,63 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
         check_extras(m, 35)
     print("h3 killed before any host voted for step 35: the later votes were withdrawn, "
           "the step dropped everywhere and saved again")
+    removed_while_saving(net, mnts, model)
     return config
+
+
+def removed_while_saving(net, mnts, model):
+    """Step 37: a save that failed on one host (one of its two ranks
+    written) is removed there with rm -r, as on a single host. The removal
+    withdraws the step: every host drops its part. While h0 is cut off
+    from etcd the removal waits, and the step cannot be begun again there.
+    Then a host whose part was already pending and voted removes it: the
+    same. Saved a third time by every host, the step commits."""
+    def dropped_everywhere():
+        deadline = deadline_in(30)
+        while any(status(m)["saving"] or saves_waiting(m) or
+                  "step-00000037" in os.listdir(f"{m}/ckpt") for m in mnts.values()):
+            assert time.time() < deadline, {
+                h: (status(m)["saving"], cluster_status(m)["saves"]) for h, m in mnts.items()}
+            time.sleep(0.1)
+        assert all(latest(m) == "step-00000035" for m in mnts.values())
+
+    _, shards = model(37)
+    for h in ["h1", "h2", "h3"]:
+        save_ranks(mnts[h], 37, SAVE_CONFIG, shards, host_ranks(h))
+    save_ranks(mnts["h0"], 37, SAVE_CONFIG, shards, host_ranks("h0")[:1])
+    wait_voted(mnts["h1"], 37, ["h1", "h2", "h3"])
+    net.link("h0", False)
+    try:
+        shutil.rmtree(f"{mnts['h0']}/ckpt/step-00000037")
+        try:
+            os.mkdir(f"{mnts['h0']}/ckpt/step-00000037")
+            raise AssertionError("step 37 begun again before its withdrawal")
+        except OSError as e:
+            assert e.errno == errno.EAGAIN, e
+        assert "being withdrawn" in status(mnts["h0"])["error"], status(mnts["h0"])
+        time.sleep(1)  # two beats: the step still waits on the others
+        assert sorted(saves_waiting(mnts["h1"])[37]) == ["h1", "h2", "h3"]
+    finally:
+        net.link("h0", True)
+    dropped_everywhere()
+    print("step 37 removed with rm -r on h0 partway through its save: withdrawn once h0 "
+          "reached etcd again (until then not begun again there), dropped on every host")
+
+    for h in ["h0", "h1", "h2"]:
+        save_ranks(mnts[h], 37, SAVE_CONFIG, shards, host_ranks(h))
+    wait_voted(mnts["h3"], 37, ["h0", "h1", "h2"])
+    shutil.rmtree(f"{mnts['h1']}/ckpt/step-00000037")
+    dropped_everywhere()
+    print("step 37 removed on h1 after it voted: dropped on every host")
+
+    full, shards = model(38)
+    for h in HOSTS:
+        save_ranks(mnts[h], 37, SAVE_CONFIG, shards, host_ranks(h))
+    wait_latest(mnts, 37)
+    for m in mnts.values():
+        check_bytes(m, full, SAVE_CONFIG, LAYERS, DIVISOR)
+        check_extras(m, 37)
+    print("step 37 saved a third time: committed on every host")
 
 
 def datasets_compared(mnts, mount, mounts, tmp):
