@@ -74,6 +74,18 @@ class JobTest : public StoreFixture {
     ASSERT_TRUE(job.PublishStep(step).ok());
   }
 
+  // The job becomes host `a` of a cluster of two under `hosted` (every
+  // config agreed at once), saving rank 0 of each step; what it saves is
+  // recorded pending and the cluster's agreement is left to the test.
+  void JoinAsHostA(Job& job, const ParallelConfig& hosted) {
+    job.SetAgreement([](const ParallelConfig&) { return absl::OkStatus(); });
+    ASSERT_TRUE(job.Reconfigure(hosted).ok());
+    ASSERT_TRUE(job.WaitMaterialized(absl::Seconds(60)));
+    job.SetSaveAgreement(
+        {[](const ParallelConfig&) { return std::vector<int>{0}; },
+         [](int64_t) {}});
+  }
+
   nlohmann::json Status(Job& job) {
     return nlohmann::json::parse(job.StatusText());
   }
@@ -255,14 +267,9 @@ TEST_F(JobTest, AStepRemovedOnAHostWaitsForTheClusterToWithdrawIt) {
   begin_and_remove(single);
   EXPECT_TRUE(job->saves().RemovedSteps().empty());
 
-  job->SetAgreement([](const ParallelConfig&) { return absl::OkStatus(); });
   const ParallelConfig hosted =
       *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=a+b");
-  ASSERT_TRUE(job->Reconfigure(hosted).ok());
-  ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
-  job->SetSaveAgreement(
-      {[](const ParallelConfig&) { return std::vector<int>{0}; },
-       [](int64_t) {}});
+  JoinAsHostA(*job, hosted);
   begin_and_remove(hosted);
   SaveArea& area = job->saves();
   std::vector<SaveArea::Removed> removed = area.RemovedSteps();
@@ -283,14 +290,9 @@ TEST_F(JobTest, AStepRemovedOnAHostWaitsForTheClusterToWithdrawIt) {
 // and a copy found to differ is dropped with its blob.
 TEST_F(JobTest, CopiesOfAnotherHostsShardsAreHeldWithThePart) {
   std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
-  job->SetAgreement([](const ParallelConfig&) { return absl::OkStatus(); });
   const ParallelConfig hosted =
       *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=a+b");
-  ASSERT_TRUE(job->Reconfigure(hosted).ok());
-  ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
-  job->SetSaveAgreement(
-      {[](const ParallelConfig&) { return std::vector<int>{0}; },
-       [](int64_t) {}});
+  JoinAsHostA(*job, hosted);
   // Host a saves rank 0; rank 1's shard, as host b saved it, is copied in.
   auto save = [&](int64_t step) {
     SaveArea& area = job->saves();

@@ -812,6 +812,29 @@ def wait_latest(mnts, step, timeout=60):
         time.sleep(0.1)
 
 
+def saved_everywhere(mnts, step, full, shards):
+    """Every host saves its ranks of `step`: it commits on every host, each
+    rank's bytes and extra files as saved."""
+    for h in HOSTS:
+        save_ranks(mnts[h], step, SAVE_CONFIG, shards, host_ranks(h))
+    wait_latest(mnts, step)
+    for m in mnts.values():
+        check_bytes(m, full, SAVE_CONFIG, LAYERS, DIVISOR)
+        check_extras(m, step)
+
+
+def mkdir_refused(mnt, path, err, says):
+    """mkdir of `path` in the mount fails with `err`, and status's error
+    says why."""
+    try:
+        os.mkdir(f"{mnt}/{path}")
+    except OSError as e:
+        assert e.errno == err, (path, e)
+        assert says in status(mnt)["error"], (path, status(mnt))
+        return
+    raise AssertionError(f"{path} was made in {mnt}; expected: {says}")
+
+
 def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
     """Steps saved through the four hosts' mounts, each host its own ranks:
     a step commits on every host once every host voted, and not before; a
@@ -827,12 +850,7 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
     # A config without hosts= cannot be saved under in a cluster.
     assert write_config(mnts["h0"], "tp=2,pp=4,dp=1") == 0
     wait_all(mnts, "tp=2,pp=4,dp=1")
-    try:
-        os.mkdir(f"{mnts['h0']}/ckpt/step-00000019")
-        raise AssertionError("a step was begun under a config naming no hosts")
-    except OSError as e:
-        assert e.errno == errno.EROFS, e
-    assert "names its hosts" in status(mnts["h0"])["error"], status(mnts["h0"])
+    mkdir_refused(mnts["h0"], "ckpt/step-00000019", errno.EROFS, "names its hosts")
     assert write_config(mnts["h0"], config) == 0
     wait_all(mnts, config)
 
@@ -842,12 +860,8 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
     # Step 20: three hosts save, nothing commits; the fourth, and it does.
     full, shards = model(20)
     os.makedirs(f"{mnts['h0']}/ckpt/step-00000020")
-    try:
-        os.makedirs(f"{mnts['h0']}/ckpt/step-00000020/rank-00002")
-        raise AssertionError("h0 took a rank of h1")
-    except OSError as e:
-        assert e.errno == errno.EACCES, e
-    assert "runs on another host" in status(mnts["h0"])["error"], status(mnts["h0"])
+    mkdir_refused(mnts["h0"], "ckpt/step-00000020/rank-00002", errno.EACCES,
+                  "runs on another host")
     for h in ["h0", "h1", "h2"]:
         save_ranks(mnts[h], 20, config, shards, host_ranks(h))
     wait_voted(mnts["h3"], 20, ["h0", "h1", "h2"])
@@ -936,13 +950,7 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
         assert latest(m) == "step-00000030", (h, latest(m))
         assert "step-00000035" not in os.listdir(f"{m}/ckpt"), (h, os.listdir(f"{m}/ckpt"))
     # The step number is free again.
-    full, shards = model(36)
-    for h in HOSTS:
-        save_ranks(mnts[h], 35, config, shards, host_ranks(h))
-    wait_latest(mnts, 35)
-    for m in mnts.values():
-        check_bytes(m, full, config, LAYERS, DIVISOR)
-        check_extras(m, 35)
+    saved_everywhere(mnts, 35, *model(36))
     print("h3 killed before any host voted for step 35: the later votes were withdrawn, "
           "the step dropped everywhere and saved again")
     removed_while_saving(net, mnts, model)
@@ -973,12 +981,7 @@ def removed_while_saving(net, mnts, model):
     net.link("h0", False)
     try:
         shutil.rmtree(f"{mnts['h0']}/ckpt/step-00000037")
-        try:
-            os.mkdir(f"{mnts['h0']}/ckpt/step-00000037")
-            raise AssertionError("step 37 begun again before its withdrawal")
-        except OSError as e:
-            assert e.errno == errno.EAGAIN, e
-        assert "being withdrawn" in status(mnts["h0"])["error"], status(mnts["h0"])
+        mkdir_refused(mnts["h0"], "ckpt/step-00000037", errno.EAGAIN, "being withdrawn")
         time.sleep(1)  # two beats: the step still waits on the others
         assert sorted(saves_waiting(mnts["h1"])[37]) == ["h1", "h2", "h3"]
     finally:
@@ -994,13 +997,7 @@ def removed_while_saving(net, mnts, model):
     dropped_everywhere()
     print("step 37 removed on h1 after it voted: dropped on every host")
 
-    full, shards = model(38)
-    for h in HOSTS:
-        save_ranks(mnts[h], 37, SAVE_CONFIG, shards, host_ranks(h))
-    wait_latest(mnts, 37)
-    for m in mnts.values():
-        check_bytes(m, full, SAVE_CONFIG, LAYERS, DIVISOR)
-        check_extras(m, 37)
+    saved_everywhere(mnts, 37, *model(38))
     print("step 37 saved a third time: committed on every host")
 
 
