@@ -98,6 +98,10 @@ def main():
                             "--host", h, capture_output=True, text=True)
                 assert p.returncode == 0, (h, p.stderr)
                 mounts.add(mnts[h])
+            deadline = deadline_in(30)
+            while not all(cluster_host(mnts["h0"], h)["live"] for h in HOSTS):
+                assert time.time() < deadline, [cluster_host(mnts["h0"], h) for h in HOSTS]
+                time.sleep(0.1)
             write_config(mnts["h0"], START)
             for m in mnts.values():
                 wait_state(m, START, "ready")
