@@ -131,9 +131,13 @@ fuse_entry_param Entry(Server& s, const Tree& tree, const Node& n) {
   return e;
 }
 
-// Reads of a dataset whose source file changed fail; `status` says which.
-void ReportDataLoss(Server& s, const absl::Status& status) {
-  if (status.code() != absl::StatusCode::kDataLoss) return;
+// A read that fails on damaged bytes (a blob, a dataset's source file
+// changed) or on bytes no reachable peer holds: `status` says which.
+void ReportReadFailure(Server& s, const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kDataLoss &&
+      status.code() != absl::StatusCode::kUnavailable) {
+    return;
+  }
   s.job->ReportError(status.message());
 }
 
@@ -154,7 +158,7 @@ void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   absl::StatusOr<const Node*> n =
       tree ? tree->Enter(parent, name) : absl::StatusOr<const Node*>(nullptr);
   if (!n.ok()) {
-    ReportDataLoss(s, n.status());
+    ReportReadFailure(s, n.status());
     fuse_reply_err(req, ToErrno(n.status()));
     return;
   }
@@ -442,7 +446,7 @@ bool ReplyFromBlobs(fuse_req_t req, Handle& h, size_t size, off_t offset) {
   absl::StatusOr<std::vector<Tree::ReadPiece>> pieces = tree->ReadPieces(
       *h.node, offset, static_cast<int64_t>(size), kMaxSplicedPieces);
   if (!pieces.ok()) {
-    ReportDataLoss(Get(req), pieces.status());
+    ReportReadFailure(Get(req), pieces.status());
     fuse_reply_err(req, ToErrno(pieces.status()));
     return true;
   }
@@ -500,7 +504,7 @@ void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
   absl::StatusOr<int64_t> got =
       h.tree->Read(*h.node, offset, static_cast<int64_t>(size), buf);
   if (!got.ok()) {
-    ReportDataLoss(Get(req), got.status());
+    ReportReadFailure(Get(req), got.status());
     fuse_reply_err(req, ToErrno(got.status()));
     return;
   }

@@ -374,8 +374,16 @@ absl::Status Job::SetHolding(Holding holding) {
 }
 
 absl::StatusOr<int> Job::ReleaseRetained() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return store_.ReleaseRetained();
+  int released = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ASSIGN_OR_RETURN(released, store_.ReleaseRetained());
+  }
+  // The views read the retained shards too (StepView): views without them,
+  // and the kernel told to forget the old ones, whose mappings hold the
+  // released blobs' space.
+  if (released > 0) RETURN_IF_ERROR(Refresh());
+  return released;
 }
 
 void Job::StartMaterialization() {

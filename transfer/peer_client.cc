@@ -212,6 +212,10 @@ PeerClient::PeerClient(ClusterHost peer, Options options)
   for (const PeerChannelSetting& setting : kPeerChannelSettings) {
     args.SetInt(setting.name, setting.value);
   }
+  // A peer that went away (its mount restarted) is dialed again within a
+  // second of coming back: gRPC's own backoff grows to two minutes, and
+  // every read of its bytes meanwhile would fail although it answers.
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   channel_->channel =
       grpc::CreateCustomChannel(peer_.address, credentials, args);
   channel_->stub = peer::Peer::NewStub(channel_->channel);

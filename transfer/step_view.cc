@@ -28,13 +28,19 @@ absl::StatusOr<std::unique_ptr<StepView>> StepView::Create(
                    store.StepPlacement(step));
   ASSIGN_OR_RETURN(ReshardPlan plan, PlanTo(store, from, config, step.held));
   ASSIGN_OR_RETURN(StepBytes bytes, StepBytes::Load(store, step, *from));
-  return std::unique_ptr<StepView>(
+  std::unique_ptr<StepView> view(
       new StepView(step.step, std::move(plan), std::move(bytes), remote));
+  if (remote != nullptr && !step.retained.empty()) {
+    ASSIGN_OR_RETURN(
+        view->retained_,
+        CreateRetained(store, step.step, step.retained.back(), config, remote));
+  }
+  return view;
 }
 
 absl::StatusOr<std::unique_ptr<StepView>> StepView::CreateRetained(
     const Store& store, int64_t step, const RetainedShards& kept,
-    const ParallelConfig& config) {
+    const ParallelConfig& config, const RemoteBytes* remote) {
   StepRecord as_stored;
   as_stored.step = step;
   as_stored.config = kept.config;
@@ -46,7 +52,7 @@ absl::StatusOr<std::unique_ptr<StepView>> StepView::CreateRetained(
   ASSIGN_OR_RETURN(StepBytes bytes,
                    StepBytes::LoadRetained(store, step, kept, *from));
   return std::unique_ptr<StepView>(
-      new StepView(step, std::move(plan), std::move(bytes), nullptr));
+      new StepView(step, std::move(plan), std::move(bytes), remote));
 }
 
 absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
@@ -119,6 +125,9 @@ absl::StatusOr<int64_t> StepView::ReadSegments(int group, int shard,
       }
     } else if (held_only) {
       return seg.dst_offset - offset;
+    } else if (retained_ != nullptr) {
+      RETURN_IF_ERROR(
+          retained_->ReadTensor(group, shard, seg.dst_offset, seg.length, dst));
     } else if (remote_ != nullptr) {
       const int64_t size =
           plan_.from().shards(seg.src.group)[seg.src.shard].bytes;

@@ -23,14 +23,17 @@ namespace scalai {
 
 class StepView {
  public:
-  // `remote`, when given, outlives the view.
+  // `remote`, when given, outlives the view. With it, the bytes of groups
+  // this host does not store are read from the shards it retained last
+  // (StepRecord::retained), when it retained some, and from its peers.
   static absl::StatusOr<std::unique_ptr<StepView>> Create(
       const Store& store, const StepRecord& step, const ParallelConfig& config,
       const RemoteBytes* remote = nullptr);
-  // A view of shards the step retained (StepRecord::retained), local only.
+  // A view of shards the step retained (StepRecord::retained): with
+  // `remote`, the groups not retained are read from peers.
   static absl::StatusOr<std::unique_ptr<StepView>> CreateRetained(
       const Store& store, int64_t step, const RetainedShards& kept,
-      const ParallelConfig& config);
+      const ParallelConfig& config, const RemoteBytes* remote = nullptr);
 
   int64_t step() const { return step_; }
   // The placement of the view's config.
@@ -79,6 +82,13 @@ class StepView {
   ReshardPlan plan_;
   StepBytes bytes_;
   const RemoteBytes* remote_;  // null: held shards only
+  // Between this host's materialization and the cluster's release of what
+  // it kept: the step as this host held it before, seen under the same
+  // config. A group it no longer stores may then lie partly in those
+  // shards and partly on a peer still on the old config (its own
+  // materialization failed or runs yet), which holds nothing of the new
+  // group whole: read under the old config, each piece lies in one place.
+  std::unique_ptr<const StepView> retained_;
 };
 
 }  // namespace scalai
