@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import Mounts, deadline_in, require_fuse, small_tmpfs, test_seed  # noqa
 from netns import Etcd, Network, require_netns, server_pid, write_cluster_file  # noqa
 from reference import random_gpt, rank_shards, scalai, write_safetensors  # noqa
-from views import check_bytes, status  # noqa
+from views import check_bytes, status, write_config  # noqa
 
 BIN = sys.argv[1]
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB, DIVISOR = 2, 256, 8, 4, 512, 1001, 8
@@ -58,14 +58,6 @@ def wait_state(mnt, config, state, timeout=60):
             return s
         assert time.time() < deadline, (mnt, config, state, s)
         time.sleep(0.05)
-
-
-def write_config(mnt, config):
-    fd = os.open(f"{mnt}/config", os.O_WRONLY | os.O_TRUNC)
-    try:
-        os.write(fd, (config + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 def cluster_host(mnt, host):

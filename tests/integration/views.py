@@ -24,6 +24,16 @@ def status(mnt):
         return json.load(f)
 
 
+def write_config(mnt, config):
+    """Writes `config` as `echo` does, in one write(). (Python's buffered
+    files write again at close what a refused write left in their buffer.)"""
+    fd = os.open(f"{mnt}/config", os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, (config + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 def check_bytes(mnt, full, config, layers, divisor):
     """Every rank's model.safetensors and tensors/ files against slicing."""
     want = expected(full, config, layers, divisor)
