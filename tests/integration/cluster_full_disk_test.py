@@ -66,6 +66,14 @@ def cluster_host(mnt, host):
     return next(h for h in hosts if h["name"] == host)
 
 
+def wait_live(mnt):
+    """`mnt`'s host sees both hosts live."""
+    deadline = deadline_in(30)
+    while not all(cluster_host(mnt, h)["live"] for h in HOSTS):
+        assert time.time() < deadline, [cluster_host(mnt, h) for h in HOSTS]
+        time.sleep(0.1)
+
+
 def held_by_deleted_files(fs):
     """Bytes of the filesystem at `fs` in use but by no file a name reaches:
     files deleted while still open or mapped."""
@@ -189,10 +197,7 @@ def main():
                     "--step", "7")
                 os.makedirs(mnts[h])
                 mount(h)
-            deadline = deadline_in(30)
-            while not all(cluster_host(mnts["h0"], h)["live"] for h in HOSTS):
-                assert time.time() < deadline, [cluster_host(mnts["h0"], h) for h in HOSTS]
-                time.sleep(0.1)
+            wait_live(mnts["h0"])
             write_config(mnts["h0"], START)
             for m in mnts.values():
                 wait_state(m, START, "ready")
@@ -213,6 +218,7 @@ def main():
             mount("h1")
             assert held_by_deleted_files(f"{tmp}/h1") < 64 * 1024
             wait_state(mnts["h1"], START, "ready")
+            wait_live(mnts["h0"])  # or a config naming h1 is refused there
 
             # Fill h1's disk but for a quarter of a step: its stage, more
             # than a third of the model, cannot fit.
