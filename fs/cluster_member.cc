@@ -428,6 +428,9 @@ void ClusterMember::Beat() {
             absl::StrCat("saving across hosts: ", saved.message()));
       }
     }
+    // Blobs released or removed since the last beat get their space back
+    // once no view a peer asked for maps them.
+    peers_->DropStaleViews();
   }
 }
 

@@ -5,6 +5,7 @@
 #include <deque>
 #include <limits>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <tuple>
 #include <utility>
@@ -160,6 +161,12 @@ struct PeerServer::State {
   // (`i` < 0: the stored shards; else the i-th retained holding.)
   absl::StatusOr<ViewKey> KeyOf(const StepRecord& record, int i,
                                 const ParallelConfig& config) const {
+    ASSIGN_OR_RETURN(std::string from, HeldAs(record, i));
+    return ViewKey{record.step, config.ToString(), std::move(from)};
+  }
+
+  // What a view of `record`'s holding `i` reads from (KeyOf).
+  absl::StatusOr<std::string> HeldAs(const StepRecord& record, int i) const {
     std::string from;
     auto add = [&](int g, const ShardRecord& shard) {
       absl::StrAppend(&from, " ", g, ":", absl::StrJoin(shard.blobs, ","));
@@ -175,7 +182,36 @@ struct PeerServer::State {
       from = absl::StrCat("retained ", record.retained[i].config);
       for (const auto& [g, shard] : record.retained[i].groups) add(g, shard);
     }
-    return ViewKey{record.step, config.ToString(), std::move(from)};
+    return from;
+  }
+
+  // Forgets the cached views of what the store no longer holds as it was
+  // (DropStaleViews).
+  void DropStale() {
+    std::vector<ViewKey> cached;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      cached.assign(view_order.begin(), view_order.end());
+    }
+    std::set<ViewKey> stale;
+    for (const ViewKey& key : cached) {
+      const auto& [step, config, from] = key;
+      absl::StatusOr<std::optional<StepRecord>> record = store->FindStep(step);
+      bool held = false;
+      if (record.ok() && record->has_value()) {
+        for (int i = -1;
+             !held && i < static_cast<int>((*record)->retained.size()); ++i) {
+          absl::StatusOr<std::string> now = HeldAs(**record, i);
+          held = now.ok() && *now == from;
+        }
+      }
+      if (!held) stale.insert(key);
+    }
+    if (stale.empty()) return;
+    std::lock_guard<std::mutex> lock(mu);
+    for (const ViewKey& key : stale) views.erase(key);
+    std::erase_if(view_order,
+                  [&](const ViewKey& key) { return stale.contains(key); });
   }
 
   // Every view of the step as `record` holds it, if all are cached.
@@ -522,6 +558,8 @@ PeerServer::~PeerServer() {
 }
 
 int PeerServer::port() const { return state_->port; }
+
+void PeerServer::DropStaleViews() { state_->DropStale(); }
 
 PeerServer::Counters PeerServer::counters() const {
   std::lock_guard<std::mutex> lock(state_->mu);

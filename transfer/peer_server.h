@@ -58,6 +58,13 @@ class PeerServer {
   int port() const;
   Counters counters() const;
 
+  // Lets go of the views it keeps of what the store no longer holds as it
+  // did (a step stored anew, shards retained for peers released, a step
+  // removed): until then they map the blobs that held those bytes, whose
+  // space stays in use although the blobs were deleted. Cheap; a host calls
+  // it after every change of what it holds, or on a timer.
+  void DropStaleViews();
+
   class Service;
 
  private:

@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, deadline_in, require_fuse, test_seed  # noqa
+from harness import Mounts, deadline_in, deleted_files_held, require_fuse, test_seed  # noqa
 from netns import Etcd, Network, require_netns, server_pid  # noqa
 from reference import (distopt_of, fsdp_of, parse_config, rank_shards, random_gpt,  # noqa
                        scalai, write_safetensors)
@@ -270,6 +270,7 @@ def main():
             # them is a race; check_fetched counts both, so that a byte
             # fetched twice fails the walk (peer_test pins the reuse itself).
             config = walk(r, mnts, full)
+            blobs_let_go(mnts, tmp)
             p = etcd.ctl("h0", "get", "--rev=2", "/scalai/gpt/filler/0")
             assert p.returncode != 0 and "compacted" in p.stderr, (p.stdout, p.stderr)
             print("etcd's history before the walk: compacted by the hosts")
@@ -332,6 +333,21 @@ def walk(r, mnts, full):
         print(f"walk {i}: {new} written on {writer}, every host switched; "
               f"bytes fetched {moved}")
     return config
+
+
+def blobs_let_go(mnts, tmp, timeout=10):
+    """Once every host has finished, what each kept for its peers is
+    released, and no mount still maps a released blob (a view its peers
+    asked for, or one its own readers used): the space comes back."""
+    deadline = deadline_in(timeout)
+    while True:
+        held = {h: deleted_files_held(server_pid(m), f"{tmp}/{h}/store/")
+                for h, m in mnts.items()}
+        if not any(held.values()):
+            return
+        assert time.time() < deadline, {h: f"{len(f)} deleted blobs mapped, e.g. {f[:1]}"
+                                        for h, f in held.items() if f}
+        time.sleep(0.2)
 
 
 def refused(mnts, config):

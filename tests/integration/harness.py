@@ -69,6 +69,27 @@ def serve(binary, store, mnt, preexec_fn=None):
     return server
 
 
+def deleted_files_held(pid, under):
+    """Files under `under` that process `pid` still maps or holds open after
+    they were deleted: space in use that no name reaches."""
+    held = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[5:]
+                if path and path[0].startswith(under) and path[0].endswith(" (deleted)"):
+                    held.add(path[0])
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            if target.startswith(under) and target.endswith(" (deleted)"):
+                held.add(target)
+    except FileNotFoundError:
+        pass  # the process is gone, and so is what it held
+    return sorted(held)
+
 class Mounts:
     """The mountpoints a test holds (FUSE or other), detached lazily, newest
     first, when its `with` block ends."""
@@ -96,3 +117,4 @@ class Mounts:
                 subprocess.run(["fusermount3", "-u", "-z", "-q", path],
                                stderr=subprocess.DEVNULL)
         return False
+

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <thread>
@@ -32,6 +33,28 @@ namespace scalai {
 namespace {
 
 constexpr char kToken[] = "0123456789abcdef-job-token";
+
+// Files under `dir` this process still maps or holds open after they were
+// deleted: the space they keep in use.
+std::string DeletedFilesHeld(const fs::path& dir) {
+  std::string held;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find(dir.string()) != std::string::npos &&
+        line.ends_with(" (deleted)")) {
+      absl::StrAppend(&held, line, "\n");
+    }
+  }
+  for (const auto& fd : fs::directory_iterator("/proc/self/fd")) {
+    std::error_code error;
+    const std::string target = fs::read_symlink(fd.path(), error).string();
+    if (!error && target.starts_with(dir.string()) &&
+        target.ends_with(" (deleted)")) {
+      absl::StrAppend(&held, fd.path().string(), " -> ", target, "\n");
+    }
+  }
+  return held;
+}
 
 class PeerTest : public StoreFixture {
  protected:
@@ -944,6 +967,26 @@ TEST_F(PeerTest, AStepStoredAgainUnderAConfigSeenBeforeIsServedAsHeldNow) {
   store_as(y, 0);
   store_as(x, 1);
   read(1);
+}
+
+TEST_F(PeerTest, ViewsOfWhatTheStoreNoLongerHoldsLetGoOfItsBlobs) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  PeerClient reader = Client(*server);
+  const Placement p = *Placement::Create(layout_, model_, saved_config());
+  std::string got(p.shards(0)[0].bytes, '\0');
+  ASSERT_TRUE(reader
+                  .ReadTensor({42, saved_config().ToString(), 0, 0}, 0,
+                              got.size(), got.data())
+                  .ok());
+  ASSERT_TRUE(store_->DeleteStep(42).ok());
+  // The server's view of step 42 still maps its deleted blobs.
+  EXPECT_NE(DeletedFilesHeld(dir_), "");
+  server->DropStaleViews();
+  EXPECT_EQ(DeletedFilesHeld(dir_), "");
+  absl::StatusOr<int64_t> gone = reader.ReadTensor(
+      {42, saved_config().ToString(), 0, 0}, 0, got.size(), got.data());
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound) << gone.status();
 }
 
 // How a host describes a blob to the others (in etcd): a few dozen bytes
