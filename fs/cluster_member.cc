@@ -167,10 +167,11 @@ absl::Status ClusterMember::Start() {
           .never_mounted =
               [this](const std::string& name) { return NeverMounted(name); }});
   RETURN_IF_ERROR(saves_->Reconcile());
-  job_.SetSaveAgreement({[this](const ParallelConfig& config) {
-                           return ClusterSaves::RanksOfHost(config, host_);
-                         },
-                         [this](int64_t) { BeatNow(); }});
+  RETURN_IF_ERROR(job_.SetSaveAgreement({[this](const ParallelConfig& config) {
+                                           return ClusterSaves::RanksOfHost(
+                                               config, host_);
+                                         },
+                                         [this](int64_t) { BeatNow(); }}));
   job_.SetAgreement(
       [this](const ParallelConfig& config) { return Propose(config); });
   job_.SetStatusSection("cluster", [this] { return StatusSection(); });
@@ -183,7 +184,7 @@ absl::Status ClusterMember::Start() {
 }
 
 ClusterMember::~ClusterMember() {
-  job_.SetSaveAgreement({});
+  (void)job_.SetSaveAgreement({});  // reads nothing: cannot fail
   job_.SetAgreement(nullptr);
   job_.SetStatusSection("", nullptr);
   // The peers go with this member: the job stops reading through them.

@@ -112,10 +112,11 @@ void Job::SetAgreement(Agreement agreement) {
   agreement_ = std::move(agreement);
 }
 
-void Job::SetSaveAgreement(SaveAgreement agreement) {
-  saves_->SaveAsHost(std::move(agreement.ranks));
+absl::Status Job::SetSaveAgreement(SaveAgreement agreement) {
+  RETURN_IF_ERROR(saves_->SaveAsHost(std::move(agreement.ranks)));
   std::lock_guard<std::mutex> lock(mu_);
   step_saved_ = std::move(agreement.saved);
+  return absl::OkStatus();
 }
 
 void Job::SetStatusSection(std::string key, StatusSection section) {

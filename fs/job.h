@@ -113,7 +113,7 @@ class Job {
   // one before.
   void SetOnSwitch(OnSwitch on_switch);
   void SetAgreement(Agreement agreement);
-  void SetSaveAgreement(SaveAgreement agreement);
+  absl::Status SetSaveAgreement(SaveAgreement agreement);
   void SetStatusSection(std::string key, StatusSection section);
 
   // Makes `config` current: validates it, has it agreed (SetAgreement),

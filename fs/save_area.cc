@@ -324,6 +324,9 @@ absl::Status SaveArea::Rmdir(uint64_t parent, absl::string_view name) {
   }
   if (n.node.rank < 0) {
     if (ranks_of_host_) {
+      // Durable first: a host mounted again before the cluster withdrew
+      // the step must not let its pending part vote.
+      RETURN_IF_ERROR(store_.MarkPendingRemoved(n.node.step));
       removed_.insert_or_assign(n.node.step,
                                 steps_.at(n.node.step).writer->config());
     }
@@ -392,9 +395,23 @@ absl::StatusOr<bool> SaveArea::Close(uint64_t ino,
   return writer->complete();
 }
 
-void SaveArea::SaveAsHost(RanksOfHost ranks) {
+absl::Status SaveArea::SaveAsHost(RanksOfHost ranks) {
+  // Parts whose step directory was removed before this mount began still
+  // wait for the cluster to withdraw their steps.
+  std::map<int64_t, ParallelConfig> removed;
+  if (ranks) {
+    ASSIGN_OR_RETURN(std::vector<PendingStep> pending, store_.PendingSteps());
+    for (const PendingStep& p : pending) {
+      if (!p.removed) continue;
+      ASSIGN_OR_RETURN(ParallelConfig config,
+                       ParallelConfig::Parse(p.record.config));
+      removed.emplace(p.record.step, std::move(config));
+    }
+  }
   std::lock_guard<std::mutex> lock(mu_);
   ranks_of_host_ = std::move(ranks);
+  removed_.merge(removed);
+  return absl::OkStatus();
 }
 
 absl::Status SaveArea::Commit(int64_t step) {

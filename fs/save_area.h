@@ -56,8 +56,9 @@ class SaveArea {
   explicit SaveArea(Store& store) : store_(store) {}
   // From now on, steps are saved as a cluster's host saves them
   // (StepWriter::Options::ranks): each waits, pending, for Committed or
-  // Discard once this host's part is whole.
-  void SaveAsHost(RanksOfHost ranks);
+  // Discard once this host's part is whole. Steps removed before this
+  // mount and not yet withdrawn are listed again (RemovedSteps).
+  absl::Status SaveAsHost(RanksOfHost ranks);
 
   static bool Owns(uint64_t ino) { return ino >= 2 && ino < (1ull << 40); }
 
@@ -88,8 +89,9 @@ class SaveArea {
   absl::Status Rmdir(uint64_t parent, absl::string_view name);
   // On a host of a cluster: the steps whose directory was removed before
   // they committed (rm -r of a save that failed), with the config each was
-  // saved under. The cluster withdraws each, then releases it here: until
-  // then the step number cannot be begun again on this host.
+  // saved under, also across a restart of the mount (the store records a
+  // removed pending part). The cluster withdraws each, then releases it
+  // here: until then the step number cannot be begun again on this host.
   struct Removed {
     int64_t step = 0;
     ParallelConfig config;

@@ -550,6 +550,7 @@ namespace {
 // of other hosts' shards it keeps with it.
 constexpr absl::string_view kPendingPrefix = "pending/";
 constexpr absl::string_view kCopiesPrefix = "pending-copies/";
+constexpr absl::string_view kRemovedPrefix = "removed-pending/";
 }  // namespace
 
 std::string Store::PendingKey(int64_t step) {
@@ -558,6 +559,10 @@ std::string Store::PendingKey(int64_t step) {
 
 std::string Store::PendingCopiesKey(int64_t step) {
   return absl::StrCat(kCopiesPrefix, StepKey(step));
+}
+
+std::string Store::PendingRemovedKey(int64_t step) {
+  return absl::StrCat(kRemovedPrefix, StepKey(step));
 }
 
 std::string Store::EncodePending(const PendingStep& pending) {
@@ -635,6 +640,9 @@ absl::StatusOr<std::vector<PendingStep>> Store::PendingSteps() const {
       (*parts)[step] = std::move(p);
     }
   }
+  std::set<std::string> removed;
+  ASSIGN_OR_RETURN(auto marks, catalog_->Scan(Table::kMeta, kRemovedPrefix));
+  for (const auto& [key, value] : marks) removed.insert(key);
   std::set<int64_t> steps;
   for (const auto& [step, part] : saved) steps.insert(step);
   for (const auto& [step, part] : copies) steps.insert(step);
@@ -643,7 +651,9 @@ absl::StatusOr<std::vector<PendingStep>> Store::PendingSteps() const {
     ASSIGN_OR_RETURN(
         std::optional<PendingStep> p,
         MergePending(std::move(saved[step]), std::move(copies[step])));
-    if (p) out.push_back(*std::move(p));
+    if (!p) continue;
+    p->removed = removed.contains(PendingRemovedKey(step));
+    out.push_back(*std::move(p));
   }
   return out;
 }
@@ -661,7 +671,14 @@ absl::StatusOr<std::optional<PendingStep>> Store::FindPending(
     ASSIGN_OR_RETURN(parts[i],
                      DecodePending(keys[i].first, keys[i].second, *value));
   }
-  return MergePending(std::move(parts[0]), std::move(parts[1]));
+  ASSIGN_OR_RETURN(std::optional<PendingStep> p,
+                   MergePending(std::move(parts[0]), std::move(parts[1])));
+  if (p) {
+    ASSIGN_OR_RETURN(std::optional<std::string> removed,
+                     catalog_->Get(Table::kMeta, PendingRemovedKey(step)));
+    p->removed = removed.has_value();
+  }
+  return p;
 }
 
 absl::Status Store::CommitAgreedStep(
@@ -696,6 +713,7 @@ absl::Status Store::CommitAgreedStep(
       batch.Put(Table::kShards, ShardKey(agreed.step, g), EncodeShard(shard));
     batch.Delete(Table::kMeta, PendingKey(agreed.step));
     batch.Delete(Table::kMeta, PendingCopiesKey(agreed.step));
+    batch.Delete(Table::kMeta, PendingRemovedKey(agreed.step));
   }
   record.extra_config = record.extra.empty() ? "" : agreed.config;
   batch.Put(Table::kSteps, StepKey(agreed.step), EncodeStep(record));
@@ -711,9 +729,19 @@ absl::Status Store::DiscardPending(int64_t step) {
   Catalog::Batch batch;
   batch.Delete(Table::kMeta, PendingKey(step));
   batch.Delete(Table::kMeta, PendingCopiesKey(step));
+  batch.Delete(Table::kMeta, PendingRemovedKey(step));
   const std::vector<std::string> blobs = pending->Blobs();
   // A pending step's blobs are its own: nothing else names them.
   return CommitFreeing(batch, {blobs.begin(), blobs.end()}, {}).status();
+}
+
+absl::Status Store::MarkPendingRemoved(int64_t step) {
+  ASSIGN_OR_RETURN(std::optional<std::string> saved,
+                   catalog_->Get(Table::kMeta, PendingKey(step)));
+  if (!saved) return absl::OkStatus();
+  Catalog::Batch batch;
+  batch.Put(Table::kMeta, PendingRemovedKey(step), "");
+  return catalog_->Commit(batch);
 }
 
 absl::Status Store::AddPendingCopies(

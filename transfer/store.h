@@ -106,6 +106,10 @@ struct PendingStep {
   // saved shard stands for the group): kept until the step is recorded or
   // dropped, then removed.
   std::vector<std::string> duplicates;
+  // Its step's directory was removed here (rm -r) before the cluster
+  // decided (Store::MarkPendingRemoved): the part waits only for the step
+  // to be withdrawn.
+  bool removed = false;
   // Every blob it names: the shards' and the extra files'.
   std::vector<std::string> Blobs() const;
 };
@@ -234,6 +238,12 @@ class Store {
       const std::map<std::string, BlobRecord>& copied = {});
   // Drops a pending step the cluster will not commit, and its blobs.
   absl::Status DiscardPending(int64_t step);
+  // Records that the directory of pending step `step` was removed here
+  // before the cluster decided, so that a host mounted again still knows
+  // its part waits only for the withdrawal (PendingStep::removed) until
+  // DiscardPending or CommitAgreedStep. Nothing to record without a part
+  // this host's workers saved.
+  absl::Status MarkPendingRemoved(int64_t step);
   // Keeps copies of other hosts' shards of pending step `step` (saved
   // under `config`, of `groups` groups), in blobs `blobs` records, as part
   // of what this host holds of it. One catalog batch. A group already
@@ -249,6 +259,7 @@ class Store {
   // The catalog key and value of a pending step, for its writer's batch.
   static std::string PendingKey(int64_t step);
   static std::string PendingCopiesKey(int64_t step);
+  static std::string PendingRemovedKey(int64_t step);
   static std::string EncodePending(const PendingStep& pending);
   // Every registered dataset, by name.
   absl::StatusOr<std::map<std::string, DatasetRecord>> Datasets() const;

@@ -81,9 +81,11 @@ class JobTest : public StoreFixture {
     job.SetAgreement([](const ParallelConfig&) { return absl::OkStatus(); });
     ASSERT_TRUE(job.Reconfigure(hosted).ok());
     ASSERT_TRUE(job.WaitMaterialized(absl::Seconds(60)));
-    job.SetSaveAgreement(
-        {[](const ParallelConfig&) { return std::vector<int>{0}; },
-         [](int64_t) {}});
+    ASSERT_TRUE(job.SetSaveAgreement({[](const ParallelConfig&) {
+                                        return std::vector<int>{0};
+                                      },
+                                      [](int64_t) {}})
+                    .ok());
   }
 
   nlohmann::json Status(Job& job) {
@@ -188,9 +190,10 @@ TEST_F(JobTest, AHostsPartOfAStepWaitsForTheCluster) {
   ASSERT_TRUE(job->Reconfigure(hosted).ok());
   ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
   std::vector<int64_t> saved;
-  job->SetSaveAgreement(
-      {[](const ParallelConfig&) { return std::vector<int>{0}; },
-       [&](int64_t step) { saved.push_back(step); }});
+  ASSERT_TRUE(job->SetSaveAgreement(
+                     {[](const ParallelConfig&) { return std::vector<int>{0}; },
+                      [&](int64_t step) { saved.push_back(step); }})
+                  .ok());
   auto save_rank0 = [&](int64_t step) {
     SaveArea& area = job->saves();
     auto dir = area.MkdirStep(absl::StrFormat("step-%08d", step), hosted);
@@ -283,6 +286,60 @@ TEST_F(JobTest, AStepRemovedOnAHostWaitsForTheClusterToWithdrawIt) {
   area.ReleaseRemoved(60);
   EXPECT_TRUE(area.RemovedSteps().empty());
   EXPECT_TRUE(area.MkdirStep("step-00000060", hosted).ok());
+}
+
+// A step whose part this host saved and voted for, removed before the
+// cluster decided, stays removed when the mount starts again before the
+// withdrawal: its part is listed again and cannot vote.
+TEST_F(JobTest, AStepRemovedWithItsPartPendingStaysRemovedAcrossARestart) {
+  const ParallelConfig hosted =
+      *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=a+b");
+  std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
+  JoinAsHostA(*job, hosted);
+  SaveArea& area = job->saves();
+  auto dir = area.MkdirStep("step-00000061", hosted);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  SaveRank0(*job, dir->ino, hosted, 61);
+  ASSERT_TRUE((*store_->FindPending(61)).has_value());
+  EXPECT_FALSE((*store_->FindPending(61))->removed);
+  // rm -r ckpt/step-00000061
+  std::optional<SaveNode> rank = area.Lookup(dir->ino, "rank-00000");
+  ASSERT_TRUE(rank.has_value());
+  ASSERT_TRUE(area.Unlink(rank->ino, "model.safetensors").ok());
+  ASSERT_TRUE(area.Rmdir(dir->ino, "rank-00000").ok());
+  ASSERT_TRUE(area.Rmdir(0, "step-00000061").ok());
+  // The part stays until the cluster has withdrawn the step.
+  std::optional<PendingStep> part = *store_->FindPending(61);
+  ASSERT_TRUE(part.has_value());
+  EXPECT_TRUE(part->removed);
+
+  job.reset();
+  store_.reset();
+  store_ = *Store::Open((dir_ / "store").string());
+  std::vector<PendingStep> pending = *store_->PendingSteps();
+  ASSERT_EQ(pending.size(), 1u);
+  EXPECT_TRUE(pending[0].removed);
+  job = MakeJob(hosted.ToString().c_str());
+  JoinAsHostA(*job, hosted);
+  std::vector<SaveArea::Removed> removed = job->saves().RemovedSteps();
+  ASSERT_EQ(removed.size(), 1u);
+  EXPECT_EQ(removed[0].step, 61);
+  EXPECT_EQ(removed[0].config.ToString(), hosted.ToString());
+  EXPECT_EQ(job->saves().MkdirStep("step-00000061", hosted).status().code(),
+            absl::StatusCode::kUnavailable);
+
+  // Withdrawn: the part goes, and nothing of the removal is left.
+  ASSERT_TRUE(job->DiscardSave(61).ok());
+  job->saves().ReleaseRemoved(61);
+  EXPECT_FALSE((*store_->FindPending(61)).has_value());
+  EXPECT_TRUE((*store_->PendingSteps()).empty());
+  job.reset();
+  store_.reset();
+  store_ = *Store::Open((dir_ / "store").string());
+  job = MakeJob(hosted.ToString().c_str());
+  JoinAsHostA(*job, hosted);
+  EXPECT_TRUE(job->saves().RemovedSteps().empty());
+  EXPECT_TRUE(CheckStore(*store_, {})->empty());
 }
 
 // With `--replicas 2`, a host also keeps copies of another host's shards

@@ -969,17 +969,19 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
     saved_everywhere(mnts, 35, *model(36))
     print("h3 killed before any host voted for step 35: the later votes were withdrawn, "
           "the step dropped everywhere and saved again")
-    removed_while_saving(net, mnts, model)
+    removed_while_saving(net, mnts, mount, mounts, model, tmp)
     return config
 
 
-def removed_while_saving(net, mnts, model):
+def removed_while_saving(net, mnts, mount, mounts, model, tmp):
     """Step 37: a save that failed on one host (one of its two ranks
     written) is removed there with rm -r, as on a single host. The removal
     withdraws the step: every host drops its part. While h0 is cut off
     from etcd the removal waits, and the step cannot be begun again there.
-    Then a host whose part was already pending and voted removes it: the
-    same. Saved a third time by every host, the step commits."""
+    Then a host whose part was already pending and voted removes it while
+    cut off from etcd, and its mount is killed before it could withdraw
+    the step: mounted again, it does. Saved a third time by every host,
+    the step commits."""
     def dropped_everywhere():
         deadline = deadline_in(30)
         while any(status(m)["saving"] or saves_waiting(m) or
@@ -1009,9 +1011,16 @@ def removed_while_saving(net, mnts, model):
     for h in ["h0", "h1", "h2"]:
         save_ranks(mnts[h], 37, SAVE_CONFIG, shards, host_ranks(h))
     wait_voted(mnts["h3"], 37, ["h0", "h1", "h2"])
-    shutil.rmtree(f"{mnts['h1']}/ckpt/step-00000037")
+    net.link("h1", False)
+    try:
+        shutil.rmtree(f"{mnts['h1']}/ckpt/step-00000037")
+        kill_host("h1", mnts, mounts, tmp)
+    finally:
+        net.link("h1", True)
+    mount("h1")
     dropped_everywhere()
-    print("step 37 removed on h1 after it voted: dropped on every host")
+    print("step 37 removed on h1 after it voted, cut off from etcd, and h1's mount killed "
+          "before it withdrew the step: mounted again, it withdrew it; dropped on every host")
 
     saved_everywhere(mnts, 37, *model(38))
     print("step 37 saved a third time: committed on every host")
