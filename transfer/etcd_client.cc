@@ -196,6 +196,14 @@ void Prepare(grpc::ClientContext& ctx, absl::Duration deadline) {
 
 absl::Status EtcdClient::Failed(const grpc::Status& s,
                                 absl::string_view what) const {
+  // Calls wait for a connection (Prepare): an endpoint that is down or
+  // cut off shows only as the deadline passing.
+  if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("etcd (", endpoints_, "), ", what, ": no answer within ",
+                     absl::FormatDuration(deadline_),
+                     " (is etcd running, and reachable from this host?)"));
+  }
   return FromGrpc(s, absl::StrCat("etcd (", endpoints_, "), ", what));
 }
 
@@ -345,7 +353,7 @@ absl::StatusOr<EtcdClient::Committed> EtcdClient::Commit(const Txn& txn) {
   Prepare(ctx, deadline_);
   pb::TxnResponse response;
   grpc::Status s = stubs_->kv->Txn(&ctx, request, &response);
-  if (!s.ok()) return Failed(s, "a transaction");
+  if (!s.ok()) return Failed(s, "committing a transaction");
   return Committed{response.succeeded(), response.header().revision()};
 }
 
