@@ -235,6 +235,8 @@ absl::StatusOr<ClusterSaves::Saves> ClusterSaves::ReadSaves(int64_t from) {
       steps[step].recorded.insert(what.substr(9));
     } else if (what == "withdrawn") {
       steps[step].withdrawn = kv.mod_revision;
+    } else if (what.rfind("dropped/", 0) == 0) {
+      steps[step].dropped[what.substr(8)] = std::move(kv.value);
     }
   }
   for (auto& entry : steps) {
@@ -364,7 +366,10 @@ absl::Status ClusterSaves::Sweep(const std::vector<StepRecord>& recorded,
   for (auto& entry : read.steps) {
     const int64_t step = entry.first;
     StepKeys& keys = entry.second;
-    if (!keys.committed) continue;
+    if (!keys.committed) {
+      RETURN_IF_ERROR(SweepWithdrawn(step, keys, read.revision));
+      continue;
+    }
     // Recorded here, or older than the newest step here and not pending:
     // a step the retention dropped, or one from before this host joined,
     // which a beat never records (Advance).
@@ -388,13 +393,51 @@ absl::Status ClusterSaves::Sweep(const std::vector<StepRecord>& recorded,
   return absl::OkStatus();
 }
 
+absl::Status ClusterSaves::SweepWithdrawn(int64_t step, const StepKeys& keys,
+                                          int64_t revision) {
+  if (keys.withdrawn == 0) return absl::OkStatus();
+  const std::string withdrawal = absl::StrCat(keys.withdrawn);
+  // A part here that began before the withdrawal is dropped only once it
+  // is pending (Advance): until then the key must stay to void it. A part
+  // that begins later is listed with a later revision (NoteBegun), and is
+  // a new save of the step whether the key is there or not.
+  const auto begun = begun_.find(step);
+  const bool void_part =
+      begun != begun_.end() && begun->second < keys.withdrawn;
+  const bool voted = keys.votes.contains(host_) ||
+                     std::any_of(keys.void_votes.begin(), keys.void_votes.end(),
+                                 [&](const EtcdClient::KeyValue& kv) {
+                                   return kv.key.ends_with("/vote/" + host_);
+                                 });
+  const auto mine = keys.dropped.find(host_);
+  if (!void_part && !voted &&
+      (mine == keys.dropped.end() || mine->second != withdrawal)) {
+    // (The keys go at a later sweep: this put changes them.)
+    return etcd_.PutValue(StepPrefix(step) + "dropped/" + host_, withdrawal)
+        .status();
+  }
+  if (!keys.votes.empty() || !keys.void_votes.empty()) return absl::OkStatus();
+  const bool all = std::all_of(
+      options_.hosts.begin(), options_.hosts.end(), [&](const std::string& h) {
+        const auto done = keys.dropped.find(h);
+        return (done != keys.dropped.end() && done->second == withdrawal) ||
+               (options_.never_mounted && options_.never_mounted(h));
+      });
+  if (!all) return absl::OkStatus();
+  EtcdClient::Txn txn;
+  txn.unchanged.push_back({StepPrefix(step), revision});
+  txn.delete_prefixes.push_back(StepPrefix(step));
+  return etcd_.Commit(txn).status();
+}
+
 absl::StatusOr<int64_t> ClusterSaves::Withdraw(int64_t step) {
   EtcdClient::Txn txn;
   txn.conditions.push_back({StepPrefix(step) + "committed", 0});
   txn.delete_prefixes.push_back(StepPrefix(step) + "vote/");
   // Says when: a host that had not seen it yet may vote for its part
   // after, or mount again with it pending; a part begun before is void.
-  // (The key stays until the step number is saved and committed.)
+  // (The key stays until every host is done with the withdrawal, or the
+  // step number is saved and committed: Sweep.)
   txn.puts.push_back({StepPrefix(step) + "withdrawn", ""});
   ASSIGN_OR_RETURN(EtcdClient::Committed done, etcd_.Commit(txn));
   return done.applied ? done.revision : 0;

@@ -142,6 +142,9 @@ class ClusterSaves {
     // Votes for parts begun before the withdrawal (left out of `votes`):
     // their hosts had not seen it yet. They are deleted.
     std::vector<EtcdClient::KeyValue> void_votes;
+    // The hosts done with a withdrawal (saves/STEP/dropped/HOST), each
+    // with the revision of the withdrawal it is done with.
+    std::map<std::string, std::string> dropped;
   };
   // The keys of steps `from` and later, and the revision they were read
   // at: a beat reads only the steps it may still act on, not every step
@@ -208,10 +211,19 @@ class ClusterSaves {
   // Says, under saves/STEP/recorded/HOST, that this host will not need
   // the committed step's keys again.
   absl::Status Acknowledge(int64_t step, StepKeys& keys);
+  // Of a withdrawn step not committed: says in etcd that this host is
+  // done with the withdrawal once no part of the step here began before
+  // it and no vote of this host's is left (until then the key must stay:
+  // it is what voids such a part), and deletes the step's keys once every
+  // host is done and no new save of the step has voted (nothing under its
+  // keys changed since they were read at `revision`).
+  absl::Status SweepWithdrawn(int64_t step, const StepKeys& keys,
+                              int64_t revision);
   // Every few seconds: acknowledges the committed steps this host will
   // never record (older than its newest, not pending here), and deletes
   // the keys of steps every host acknowledged, so that etcd does not keep
-  // one key per step the job ever saved. `recorded` and `pending` are this
+  // one key per step the job ever saved; the same for withdrawn steps
+  // (SweepWithdrawn). `recorded` and `pending` are this
   // host's as the round read them: one that changed since only delays an
   // acknowledgement to the next sweep.
   absl::Status Sweep(const std::vector<StepRecord>& recorded,

@@ -334,6 +334,14 @@ absl::StatusOr<EtcdClient::Committed> EtcdClient::Commit(const Txn& txn) {
     compare->set_target(pb::Compare::MOD);
     compare->set_mod_revision(c.mod_revision);
   }
+  for (const Unchanged& u : txn.unchanged) {
+    pb::Compare* compare = request.add_compare();
+    compare->set_key(u.prefix);
+    compare->set_range_end(PrefixEnd(u.prefix));
+    compare->set_result(pb::Compare::LESS);
+    compare->set_target(pb::Compare::MOD);
+    compare->set_mod_revision(u.revision + 1);
+  }
   for (const Put& p : txn.puts) {
     pb::PutRequest* put = request.add_success()->mutable_request_put();
     put->set_key(p.key);

@@ -57,8 +57,15 @@ class EtcdClient {
     std::string value;
     int64_t lease = 0;
   };
+  // No key under `prefix` was put after `revision` (one deleted since
+  // does not count): what was read there at `revision` still holds.
+  struct Unchanged {
+    std::string prefix;
+    int64_t revision = 0;
+  };
   struct Txn {
     std::vector<Condition> conditions;
+    std::vector<Unchanged> unchanged;
     std::vector<Put> puts;
     std::vector<std::string> deletes;          // keys
     std::vector<std::string> delete_prefixes;  // every key under each

@@ -290,6 +290,10 @@ def main():
             config = saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp)
             datasets_compared(mnts, mount, mounts, tmp)
             config = replicas_kept(seed, net, mnts, mount, mounts, tmp)
+            # Step 55 was withdrawn and never saved again: once every host
+            # is done with the withdrawal (h1 too, back), its keys go.
+            keys_leave(etcd, 55)
+            print("step 55's keys left etcd once every host was done with its withdrawal")
 
             for h in HOSTS:
                 run("umount", mnts[h])
@@ -754,6 +758,20 @@ def new_host(mnts, mount, mounts, full, config, tmp):
 SAVE_CONFIG = "tp=2,pp=4,dp=1,hosts=h0+h1+h2+h3"  # two ranks a host, all dp_rank 0
 
 
+def saves_keys(etcd, step):
+    """The keys of `step` under the job's saves/ in etcd."""
+    p = etcd.ctl("h0", "get", "--prefix", "--keys-only", f"/scalai/gpt/saves/{step:020d}/")
+    assert p.returncode == 0, p.stderr
+    return p.stdout.split()
+
+
+def keys_leave(etcd, step, timeout=30):
+    deadline = deadline_in(timeout)
+    while saves_keys(etcd, step):
+        assert time.time() < deadline, saves_keys(etcd, step)
+        time.sleep(0.2)
+
+
 def saved_model(seed, config):
     """A model as a job saves it: its full tensors, and each rank's shard
     (a rank with dp_rank > 0 holds its dp_rank 0 rank's)."""
@@ -931,16 +949,8 @@ def saved_across_hosts(seed, net, etcd, mnts, mount, mounts, tmp):
     print("step 30 saved while h1 was cut off: committed everywhere once it was back")
     # Every host has recorded step 20, and the spare never mounted: it will
     # need only the newest step. Step 20's keys leave etcd; step 30's stay.
-    def saves_keys(step):
-        p = etcd.ctl("h0", "get", "--prefix", "--keys-only", f"/scalai/gpt/saves/{step:020d}/")
-        assert p.returncode == 0, p.stderr
-        return p.stdout.split()
-
-    deadline = deadline_in(30)
-    while saves_keys(20):
-        assert time.time() < deadline, saves_keys(20)
-        time.sleep(0.2)
-    assert f"/scalai/gpt/saves/{30:020d}/committed" in saves_keys(30), saves_keys(30)
+    keys_leave(etcd, 20)
+    assert f"/scalai/gpt/saves/{30:020d}/committed" in saves_keys(etcd, 30), saves_keys(etcd, 30)
     print("step 20's keys left etcd once every host that ever mounted had recorded it; "
           "step 30's, the newest, stay for the spare host")
 

@@ -132,6 +132,38 @@ TEST_F(EtcdClientTest, ManyNamedKeysAreReadTogether) {
   EXPECT_TRUE(none->kvs.empty());
 }
 
+// A transaction on condition that nothing under a prefix changed since a
+// read applies while nothing did, also when nothing is there, and not once
+// a key under it was put again or added.
+TEST_F(EtcdClientTest, APrefixUnchangedSinceAReadIsACondition) {
+  ASSERT_TRUE(etcd_->PutValue("/job/saves/7/withdrawn", "").ok());
+  ASSERT_TRUE(etcd_->PutValue("/job/saves/7/dropped/h0", "5").ok());
+  ASSERT_TRUE(etcd_->PutValue("/job/saves/70/vote/h0", "").ok());
+  auto read = etcd_->ListPrefix("/job/saves/7/");
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->kvs.size(), 2u);
+  auto mark = [&](const std::string& prefix, int64_t since) {
+    EtcdClient::Txn txn;
+    txn.unchanged.push_back({prefix, since});
+    txn.puts.push_back({"/job/mark", "x"});
+    auto done = etcd_->Commit(txn);
+    EXPECT_TRUE(done.ok()) << done.status();
+    return done.ok() && done->applied;
+  };
+  EXPECT_TRUE(mark("/job/saves/7/", read->revision));
+  EXPECT_TRUE(mark("/job/saves/8/", read->revision));  // nothing there
+  // A key beside the prefix (step 70) is not under it.
+  ASSERT_TRUE(etcd_->PutValue("/job/saves/70/vote/h1", "").ok());
+  EXPECT_TRUE(mark("/job/saves/7/", read->revision));
+  ASSERT_TRUE(etcd_->PutValue("/job/saves/7/vote/h1", "").ok());
+  EXPECT_FALSE(mark("/job/saves/7/", read->revision));
+  auto again = etcd_->ListPrefix("/job/saves/7/");
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(mark("/job/saves/7/", again->revision));
+  ASSERT_TRUE(etcd_->PutValue("/job/saves/7/withdrawn", "").ok());
+  EXPECT_FALSE(mark("/job/saves/7/", again->revision));
+}
+
 // A value over what etcd takes in one request (1.5 MiB) is refused put
 // whole, goes in parts, and reads back; a second writer finds it there; a
 // small value is put as it is; a part changed or lost is an error naming
