@@ -90,6 +90,7 @@ def deleted_files_held(pid, under):
         pass  # the process is gone, and so is what it held
     return sorted(held)
 
+
 class Mounts:
     """The mountpoints a test holds (FUSE or other), detached lazily, newest
     first, when its `with` block ends."""
@@ -117,4 +118,3 @@ class Mounts:
                 subprocess.run(["fusermount3", "-u", "-z", "-q", path],
                                stderr=subprocess.DEVNULL)
         return False
-
