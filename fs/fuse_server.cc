@@ -499,6 +499,11 @@ void OnRead(fuse_req_t req, fuse_ino_t, size_t size, off_t offset,
     fuse_reply_buf(req, buf, n);
     return;
   }
+  // A checkpoint's bytes, which a worker waits on: the materialization
+  // gives way (a dataset's samples, read all through training, do not).
+  ForegroundReads::Reading reading(h.node->data == DataFile::kNone
+                                       ? &Get(req).job->foreground_reads()
+                                       : nullptr);
   if (ReplyFromBlobs(req, h, size, offset)) return;
   char* buf = ReplyBuffer(size);
   absl::StatusOr<int64_t> got =

@@ -305,6 +305,7 @@ void Job::Materialize(const ParallelConfig& target,
                       const std::atomic<bool>& cancel) {
   Materialization::Options options;
   options.cancel = &cancel;
+  options.foreground = &foreground_reads_;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (holding_.groups) options.hold = holding_.groups(target);

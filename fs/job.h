@@ -30,6 +30,7 @@
 #include "fs/tree.h"
 #include "nlohmann/json.hpp"
 #include "ptc/parallel_config.h"
+#include "transfer/foreground_reads.h"
 #include "transfer/remote_bytes.h"
 #include "transfer/store.h"
 
@@ -161,6 +162,10 @@ class Job {
   };
   Progress progress();
 
+  // Reads of checkpoint files, which the materialization gives way to:
+  // the readers (the FUSE adapter) note each one here.
+  ForegroundReads& foreground_reads() { return foreground_reads_; }
+
   // The error `status` shows until the next success clears it.
   void ReportError(absl::string_view message);
   // The JSON of MOUNT/status, newline-terminated.
@@ -189,7 +194,8 @@ class Job {
 
   Store& store_;
   const int keep_steps_;
-  std::unique_ptr<SaveArea> saves_;  // thread-safe on its own
+  ForegroundReads foreground_reads_;  // thread-safe on its own
+  std::unique_ptr<SaveArea> saves_;   // thread-safe on its own
 
   // Lock order: mu_ only. Every catalog change happens under mu_, so a tree
   // is always built from one consistent set of records.

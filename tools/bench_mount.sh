@@ -8,9 +8,10 @@
 # the page cache and once after dropping it. Also times `ls -lR` of a
 # 64-rank, 300-tensor step. Run by hand, as root (it drops the page cache):
 #   tools/bench_mount.sh [WORKDIR]
+# SCALAI=path/to/scalai measures another build (a "before") with this script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scalai=$PWD/build/tools/scalai
+scalai=${SCALAI:-$PWD/build/tools/scalai}
 [[ -x $scalai ]] || { echo "build first: meson setup build && meson compile -C build" >&2; exit 2; }
 work=${1:-$(mktemp -d /var/tmp/scalai-mount-bench.XXXXXX)}
 mkdir -p "$work"
@@ -56,7 +57,8 @@ measure() {
     # Mounting under another config starts storing the step under it
     # (materialization, running beside the reads as it would after a
     # reconfiguration), which replaces the blobs: each time on a new copy.
-    rm -rf "$work/copy" && cp -a "$work/store" "$work/copy" && store=$work/copy
+    # Synced, so that writing the copy back is not measured with the reads.
+    rm -rf "$work/copy" && cp -a "$work/store" "$work/copy" && sync && store=$work/copy
   fi
   $cache
   if [[ $what == pt ]]; then

@@ -56,9 +56,10 @@ absl::Status CheckCancel(const std::atomic<bool>* cancel) {
 // time (AppendFromBlob) and written from that buffer.
 class BlobWriter {
  public:
-  BlobWriter(UniqueFd out, std::string path)
+  BlobWriter(UniqueFd out, std::string path, const ForegroundReads* foreground)
       : out_(std::move(out)),
         path_(std::move(path)),
+        foreground_(foreground),
         window_(new char[kChunkBytes]),
         source_(new char[kBlobChunkBytes]) {}
 
@@ -115,6 +116,8 @@ class BlobWriter {
 
  private:
   absl::Status HashAndWrite(const char* data, int64_t n) {
+    // Before the piece's hash and copy, the bulk of what writing costs.
+    if (foreground_ != nullptr) foreground_->Yield();
     hasher_.Update(data, n);
     RETURN_IF_ERROR(WriteAll(out_.get(), data, n, path_));
     written_ += n;
@@ -123,6 +126,7 @@ class BlobWriter {
 
   UniqueFd out_;
   std::string path_;
+  const ForegroundReads* foreground_;
   std::unique_ptr<char[]> window_;
   std::unique_ptr<char[]> source_;  // a source blob's chunk, for ReadInto
   int64_t used_ = 0;
@@ -149,10 +153,11 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
                                      const BlobJob& job, const StepView& view,
                                      int64_t step, Progress& progress,
                                      Fetcher& fetcher,
-                                     const std::atomic<bool>* cancel) {
+                                     const Materialization::Options& options) {
+  const std::atomic<bool>* cancel = options.cancel;
   ASSIGN_OR_RETURN(UniqueFd out,
                    OpenFile(path, O_WRONLY | O_CREAT | O_EXCL, 0600));
-  BlobWriter writer(std::move(out), path);
+  BlobWriter writer(std::move(out), path, options.foreground);
   RETURN_IF_ERROR(writer.Append(job.header.data(), job.header.size()));
   const std::vector<TensorShard>& shards = view.placement().shards(job.group);
   // Every shard's sources first, so that the pieces held by other hosts are
@@ -420,10 +425,10 @@ absl::StatusOr<Materialization> Materialization::Write(
   std::mutex mu;
   RETURN_IF_ERROR(ParallelFor(jobs.size(), IoThreads(), [&](size_t i) {
     const BlobJob& job = jobs[i];
-    ASSIGN_OR_RETURN(BlobRecord blob,
-                     WriteBlob(store.BlobPath(job.name), job, *views[job.step],
-                               m.steps_[job.step].after.step, progress, fetcher,
-                               options.cancel));
+    ASSIGN_OR_RETURN(
+        BlobRecord blob,
+        WriteBlob(store.BlobPath(job.name), job, *views[job.step],
+                  m.steps_[job.step].after.step, progress, fetcher, options));
     std::lock_guard<std::mutex> lock(mu);
     m.new_blobs_[job.name] = blob;
     return absl::OkStatus();

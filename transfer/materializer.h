@@ -27,6 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "ptc/parallel_config.h"
+#include "transfer/foreground_reads.h"
 #include "transfer/parallel.h"
 #include "transfer/remote_bytes.h"
 #include "transfer/store.h"
@@ -53,6 +54,8 @@ class Materialization {
     // fraction of what it held (a cluster) frees the rest, at the cost of
     // writing a few small replicated shards (layer norms) again.
     bool compact = false;
+    // Reads a job waits on, which the writing gives way to (may be null).
+    const ForegroundReads* foreground = nullptr;
   };
 
   // Plans every step not stored under `config` and writes the bytes that

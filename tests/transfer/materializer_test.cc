@@ -167,6 +167,27 @@ TEST_F(MaterializerTest, CancelledOrDroppedLeavesNoFile) {
   EXPECT_EQ(store_->Steps()->front().config, saved_.ToString());
 }
 
+// Under a read that is never answered, each piece waits the longest a
+// yield may, and the materialization still finishes with the same bytes.
+TEST_F(MaterializerTest, GivesWayToReadsAndStillFinishes) {
+  const ParallelConfig to = Config("tp=4,pp=1,dp=1");
+  const std::string expected = Export(to, "expected");
+  std::atomic<int64_t> now{0};
+  ForegroundReads reads(ForegroundReads::Clock{
+      [&] { return now.load(); }, [&](int64_t nanos) { now += nanos; }});
+  ForegroundReads::Reading endless(&reads);
+  Materialization::Options o;
+  o.foreground = &reads;
+  auto m = Materialization::Write(*store_, to, o);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_GT(m->bytes_written(), 0);
+  // Every piece written (at most 256 KiB, headers included) waited.
+  const int64_t pieces = (m->bytes_written() + (256 << 10) - 1) / (256 << 10);
+  EXPECT_GE(reads.waited_nanos(), pieces * ForegroundReads::kMaxWaitNanos);
+  ASSERT_TRUE(m->Commit(*store_).ok());
+  EXPECT_EQ(Export(to, "after"), expected);
+}
+
 TEST_F(MaterializerTest, RefusesToCommitOverAStepChangedMeanwhile) {
   auto first = Materialization::Write(*store_, Config("tp=4,pp=1,dp=1"), {});
   auto second = Materialization::Write(*store_, Config("tp=1,pp=2,dp=1"), {});
