@@ -349,8 +349,10 @@ void Job::Materialize(const ParallelConfig& target,
     // The views keep reading from the old shards: correct, only slower.
     // `moved_` and `to_move_` stay where the copy stopped.
     materialization_failed_ = true;
-    error_ = absl::StrCat("materialization of ", target.ToString(),
-                          " failed: ", result.message());
+    materialization_error_ =
+        absl::StrCat("materialization of ", target.ToString(),
+                     " failed: ", result.message());
+    error_ = materialization_error_;
   }
 }
 
@@ -412,7 +414,9 @@ void Job::StartMaterializationLocked() {
       if (!cancel->load()) {
         materializing_ = false;
         materialization_failed_ = true;
-        error_ = absl::StrCat("materialization failed: ", e.what());
+        materialization_error_ =
+            absl::StrCat("materialization failed: ", e.what());
+        error_ = materialization_error_;
         idle_.notify_all();
       }
     }
@@ -456,7 +460,11 @@ Job::Progress Job::ProgressLocked() const {
   p.state = materializing_            ? "materializing"
             : materialization_failed_ ? "failed"
                                       : "ready";
-  p.error = error_;
+  // A state of "failed" always comes with its reason: what cleared the
+  // error since (the write of a config that raced the failure, a step
+  // published) did not undo the failure.
+  p.error = error_.empty() && materialization_failed_ ? materialization_error_
+                                                      : error_;
   return p;
 }
 

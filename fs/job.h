@@ -222,6 +222,9 @@ class Job {
   // views read from the stored shards until the same config is written
   // again, which retries it. Guarded by mu_.
   bool materialization_failed_ = false;
+  // Why it failed, shown while `status` says so, whatever else cleared the
+  // error (a step published, a config written); guarded by mu_.
+  std::string materialization_error_;
   // Bytes written and to write by the running (or last) materialization.
   std::atomic<int64_t> moved_{0};
   std::atomic<int64_t> to_move_{0};

@@ -308,7 +308,10 @@ absl::Status RunReconfigure(const std::string& mountpoint,
           absl::StrCat(mountpoint, "/status is unreadable"));
     }
     if (j.value("state", "") == "failed") {
-      return absl::InternalError(j.value("error", std::string("failed")));
+      return absl::InternalError(
+          j.contains("error") && j["error"].is_string()
+              ? j["error"].get<std::string>()
+              : "materialization failed, and status gives no reason");
     }
   }
   std::printf("%s: %s (generation %s)", mountpoint.c_str(),

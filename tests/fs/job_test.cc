@@ -149,6 +149,40 @@ TEST_F(JobTest, RefusedConfigChangesNothingAndSaysWhy) {
   EXPECT_TRUE(Status(*job)["error"].is_null());
 }
 
+// A failed materialization's reason stays in `status` while its state is
+// "failed", whatever clears the error meanwhile: here a step published
+// under the current config, which leaves the failure standing.
+TEST_F(JobTest, AFailedMaterializationKeepsItsReasonWhileFailed) {
+  std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
+  ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+  // Damage the middle of every blob: a tensor's bytes no longer match
+  // their chunk sums, so copying them for tp=1 fails.
+  for (const auto& blob : fs::directory_iterator(dir_ / "store/blobs")) {
+    std::fstream f(blob.path(),
+                   std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(blob.path()) / 2));
+    f.write("damage", 6);
+  }
+  const ParallelConfig one = *ParallelConfig::Parse("tp=1,pp=1,dp=1");
+  ASSERT_TRUE(job->Reconfigure(one).ok());
+  ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+  nlohmann::json status = Status(*job);
+  ASSERT_EQ(status["state"], "failed") << status.dump();
+  ASSERT_TRUE(status["error"].is_string()) << status.dump();
+  const std::string reason = status["error"];
+  EXPECT_NE(reason.find("materialization of tp=1,pp=1,dp=1 failed"),
+            std::string::npos)
+      << reason;
+
+  auto dir = job->saves().MkdirStep("step-00000043", one);
+  ASSERT_TRUE(dir.ok()) << dir.status();
+  SaveRank0(*job, dir->ino, one, 43);
+  ASSERT_NE(Walk(*job->current(), {"ckpt", "step-00000043"}), nullptr);
+  status = Status(*job);
+  EXPECT_EQ(status["state"], "failed") << status.dump();
+  EXPECT_EQ(status["error"], reason) << status.dump();
+}
+
 TEST_F(JobTest, HostsAreRefusedWithoutAClusterAndAskedOfOneWithIt) {
   std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
   const ParallelConfig hosted =
