@@ -56,10 +56,12 @@ absl::Status CheckCancel(const std::atomic<bool>* cancel) {
 // time (AppendFromBlob) and written from that buffer.
 class BlobWriter {
  public:
-  BlobWriter(UniqueFd out, std::string path, const ForegroundReads* foreground)
+  BlobWriter(UniqueFd out, std::string path, const ForegroundReads* foreground,
+             const std::atomic<bool>* cancel)
       : out_(std::move(out)),
         path_(std::move(path)),
         foreground_(foreground),
+        cancel_(cancel),
         window_(new char[kChunkBytes]),
         source_(new char[kBlobChunkBytes]) {}
 
@@ -116,8 +118,11 @@ class BlobWriter {
 
  private:
   absl::Status HashAndWrite(const char* data, int64_t n) {
-    // Before the piece's hash and copy, the bulk of what writing costs.
-    if (foreground_ != nullptr) foreground_->Yield();
+    // Before the piece's hash and copy, the bulk of what writing costs. A
+    // cancelled writer no longer waits: whoever cancelled waits for it.
+    if (foreground_ != nullptr && !(cancel_ != nullptr && cancel_->load())) {
+      foreground_->Yield();
+    }
     hasher_.Update(data, n);
     RETURN_IF_ERROR(WriteAll(out_.get(), data, n, path_));
     written_ += n;
@@ -127,6 +132,7 @@ class BlobWriter {
   UniqueFd out_;
   std::string path_;
   const ForegroundReads* foreground_;
+  const std::atomic<bool>* cancel_;
   std::unique_ptr<char[]> window_;
   std::unique_ptr<char[]> source_;  // a source blob's chunk, for ReadInto
   int64_t used_ = 0;
@@ -157,7 +163,7 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
   const std::atomic<bool>* cancel = options.cancel;
   ASSIGN_OR_RETURN(UniqueFd out,
                    OpenFile(path, O_WRONLY | O_CREAT | O_EXCL, 0600));
-  BlobWriter writer(std::move(out), path, options.foreground);
+  BlobWriter writer(std::move(out), path, options.foreground, cancel);
   RETURN_IF_ERROR(writer.Append(job.header.data(), job.header.size()));
   const std::vector<TensorShard>& shards = view.placement().shards(job.group);
   // Every shard's sources first, so that the pieces held by other hosts are
