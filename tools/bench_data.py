@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCALAI = os.path.join(ROOT, "build", "tools", "scalai")
+SCALAI = os.environ.get("SCALAI") or os.path.join(ROOT, "build", "tools", "scalai")
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
 from dataset_files import write_megatron  # noqa
 
