@@ -115,6 +115,8 @@ void RaiseReadAhead(const std::string& mountpoint) {
 void OnInit(void*, fuse_conn_info* conn) {
   conn->max_read = kMaxRead;
   conn->max_readahead = kReadAhead;
+  conn->max_background = kMaxBackground;
+  conn->congestion_threshold = kMaxBackground * 3 / 4;
   conn->max_write = kMaxIo;
   if (conn->capable & FUSE_CAP_SPLICE_WRITE)
     conn->want |= FUSE_CAP_SPLICE_WRITE;

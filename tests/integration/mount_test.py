@@ -71,6 +71,7 @@ def main():
         run("mount", store, mnt, "--config", MOUNTED)
         try:
             check_tree(tmp, mnt, full)
+            check_kernel_settings(mnt)
             check_errors(mnt)
             p = run("mount", store, f"{tmp}", expect=1)
             assert "in use by another scalai process" in p.stderr, p.stderr
@@ -190,6 +191,28 @@ def check_errors(mnt):
     fd = os.open(f, os.O_RDONLY)
     assert os.pread(fd, 16, size) == b""
     os.close(fd)
+
+
+def check_kernel_settings(mnt):
+    """What the mount asks of the kernel for fast reads: 4 MiB read ahead of
+    each reader, and up to 64 such requests in flight (the kernel's default
+    is 12), as its bdi and the FUSE control file system show them."""
+    dev = os.stat(mnt).st_dev
+    with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb") as f:
+        assert f.read().strip() == "4096"
+    ctl = "/sys/fs/fuse/connections"
+    mounted_here = not os.path.ismount(ctl)
+    if mounted_here:
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", ctl], check=True)
+    try:
+        with open(f"{ctl}/{os.minor(dev)}/max_background") as f:
+            assert f.read().strip() == "64"
+        with open(f"{ctl}/{os.minor(dev)}/congestion_threshold") as f:
+            assert f.read().strip() == "48"
+    finally:
+        if mounted_here:
+            subprocess.run(["umount", ctl], check=True)
+    print("kernel: 4096 KiB read ahead, 64 requests in flight")
 
 
 def check_concurrent_readers(mnt, full):
