@@ -144,6 +144,7 @@ absl::Status ClusterMember::Start() {
                           int64_t length, char* out) {
     return ReadFile(path, offset, length, out);
   };
+  peer.foreground = &job_.foreground_reads();
   ASSIGN_OR_RETURN(peers_, PeerServer::Start(job_.store(), peer));
   RETURN_IF_ERROR(Register());
   RETURN_IF_ERROR(Watch(read.revision));

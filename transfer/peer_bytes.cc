@@ -59,7 +59,8 @@ absl::Status PeerBytes::Await(const std::shared_ptr<Block>& block) const {
     lock.unlock();
     absl::Status fetched =
         Fetch(block->key.step, block->key.config, block->key.shard,
-              block->begin, block->size, block->bytes.get());
+              block->begin, block->size, block->bytes.get(),
+              /*for_reader=*/true);
     lock.lock();
     block->status = std::move(fetched);
     block->done = true;
@@ -106,8 +107,9 @@ absl::Status PeerBytes::ReadExact(int64_t step, const std::string& config,
   int64_t missing_from = -1;  // start of the run not found in the cache
   auto fetch_missing = [&](int64_t until) -> absl::Status {
     if (missing_from < 0) return absl::OkStatus();
-    absl::Status s = Fetch(step, config, shard, missing_from,
-                           until - missing_from, out + (missing_from - offset));
+    absl::Status s =
+        Fetch(step, config, shard, missing_from, until - missing_from,
+              out + (missing_from - offset), /*for_reader=*/false);
     missing_from = -1;
     return s;
   };
@@ -180,9 +182,10 @@ absl::Status PeerBytes::Read(int64_t step, const std::string& config,
 
 absl::Status PeerBytes::Fetch(int64_t step, const std::string& config,
                               ShardRef shard, int64_t offset, int64_t length,
-                              char* out) const {
+                              char* out, bool for_reader) const {
   std::vector<PeerClient*> peers = peers_();
-  const PeerClient::TensorRef ref{step, config, shard.group, shard.shard};
+  const PeerClient::TensorRef ref{step, config, shard.group, shard.shard,
+                                  for_reader};
   // Spread ranges over the peers: the replicas of a shard share the reads.
   const size_t start =
       peers.empty() ? 0

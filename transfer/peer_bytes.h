@@ -68,9 +68,11 @@ class PeerBytes : public RemoteBytes {
   absl::Status ReadExact(int64_t step, const std::string& config,
                          ShardRef shard, int64_t offset, int64_t length,
                          char* out) const;
-  // Reads exactly the range from the peers.
+  // Reads exactly the range from the peers; `for_reader`: a worker's read
+  // through the mount waits on it (Access::kCached).
   absl::Status Fetch(int64_t step, const std::string& config, ShardRef shard,
-                     int64_t offset, int64_t length, char* out) const;
+                     int64_t offset, int64_t length, char* out,
+                     bool for_reader) const;
 
   // A block of a shard: (step, config, group, shard, block index).
   struct BlockKey {

@@ -323,6 +323,7 @@ absl::StatusOr<int64_t> PeerClient::ReadTensor(const TensorRef& tensor,
   request.set_shard(tensor.shard);
   request.set_offset(offset);
   request.set_length(length);
+  request.set_for_reader(tensor.for_reader);
   return Stream(absl::StrCat("step ", tensor.step, " under ", tensor.config,
                              ", group ", tensor.group, " shard ", tensor.shard),
                 request, kReadTensor, length, out);

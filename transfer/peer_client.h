@@ -37,6 +37,8 @@ class PeerClient {
     std::string config;
     int group = 0;
     int shard = 0;
+    // A worker waits on these bytes (peer.proto, ReadTensorRequest).
+    bool for_reader = false;
   };
   struct Hello {
     std::string job;

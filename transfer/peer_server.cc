@@ -353,6 +353,8 @@ class PeerServer::Service final : public grpc::Service {
       return s_.Fail(absl::OutOfRangeError(absl::StrCat(
           "bytes [", offset, ", +", length, ") of a ", size, "-byte tensor")));
     }
+    ForegroundReads::Reading reading(
+        request->for_reader() ? s_.options.foreground : nullptr);
     // The longest prefix of the range this host holds, in chunks: each
     // chunk is read from whichever of its views holds the next bytes,
     // straight into the buffer gRPC sends.

@@ -21,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "transfer/cluster_file.h"
+#include "transfer/foreground_reads.h"
 #include "transfer/store.h"
 
 namespace scalai {
@@ -38,6 +39,10 @@ class PeerServer {
     std::function<absl::StatusOr<int64_t>(
         const std::string& path, int64_t offset, int64_t length, char* out)>
         read_file;
+    // This host's reads that workers wait on: reads of its tensors asked
+    // for a peer's reader (ReadTensorRequest::for_reader) count too, so
+    // that this host's materialization gives way to them (may be null).
+    ForegroundReads* foreground = nullptr;
   };
   // What the server has done, for `status`.
   struct Counters {

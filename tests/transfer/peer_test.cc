@@ -268,6 +268,44 @@ TEST_F(PeerTest, CachedReadsFetchEachBlockOnceAndReturnTheCutBytes) {
 // Pieces fetched ahead come back in order, each with its own bytes, however
 // many are in flight; a piece no host holds fails at its turn, after the
 // ones before it arrived whole.
+// A worker's read through a peer's mount is one this host's
+// materialization gives way to; a peer's materialization fetching the same
+// bytes is not. (A clock that moves only in Yield's sleeps: a marked read
+// leaves exactly the quiet time to wait.)
+TEST_F(PeerTest, AReadersFetchIsAForegroundReadOnTheServingHost) {
+  std::atomic<int64_t> now{0};
+  ForegroundReads reads(ForegroundReads::Clock{
+      [&] { return now.load(); }, [&](int64_t nanos) { now += nanos; }});
+  PeerServer::Options so;
+  so.job = "gpt";
+  so.host = "h0";
+  so.address = "127.0.0.1:0";
+  so.token = kToken;
+  so.foreground = &reads;
+  auto server = PeerServer::Start(*store_, so);
+  ASSERT_TRUE(server.ok()) << server.status();
+  PeerClient client = Client(**server);
+  PeerBytes::Options o;
+  o.read_ahead_blocks = 0;  // no fetch still running when Yield looks
+  PeerBytes remote([&] { return std::vector<PeerClient*>{&client}; }, o);
+  const ParallelConfig config = *ParallelConfig::Parse("tp=2,pp=1,dp=1");
+  const Placement p = *Placement::Create(layout_, model_, config);
+  const int64_t bytes = p.shards(0)[0].bytes;
+  std::string got(bytes, '\0');
+  ASSERT_TRUE(remote
+                  .Read(42, config.ToString(), {0, 0}, bytes, 0, bytes,
+                        got.data(), RemoteBytes::Access::kExact)
+                  .ok());
+  reads.Yield();
+  EXPECT_EQ(reads.waited_nanos(), 0);
+  ASSERT_TRUE(remote
+                  .Read(42, config.ToString(), {0, 1}, p.shards(0)[1].bytes, 0,
+                        1, got.data(), RemoteBytes::Access::kCached)
+                  .ok());
+  reads.Yield();
+  EXPECT_EQ(reads.waited_nanos(), ForegroundReads::kQuietNanos);
+}
+
 TEST_F(PeerTest, FetchAheadReturnsPiecesInOrderAndFailsAtTheMissingOne) {
   std::unique_ptr<PeerServer> server = StartServer();
   ASSERT_NE(server, nullptr);
