@@ -163,7 +163,8 @@ class Job {
   Progress progress();
 
   // Reads of checkpoint files, which the materialization gives way to:
-  // the readers (the FUSE adapter) note each one here.
+  // whoever answers one (the FUSE adapter, the peer server for a peer's
+  // reader) marks it here with a ForegroundReads::Reading.
   ForegroundReads& foreground_reads() { return foreground_reads_; }
 
   // The error `status` shows until the next success clears it.
