@@ -230,8 +230,9 @@ constexpr auto kReapGrace = std::chrono::milliseconds(300);
 // Tells the kernel that the inodes of older generations are gone, deepest
 // first, so that it drops them as soon as nothing uses them and sends
 // FORGET; the last FORGET retires the tree (RetireIfUnused) and closes its
-// blobs. Open nodes, and directories above them, stay until a later pass:
-// each switch and each release of an old handle starts one.
+// blobs. A tree the kernel named nothing of by then gets no FORGET: the
+// pass retires it. Open nodes, and directories above them, stay until a
+// later pass: each switch and each release of an old handle starts one.
 void ReapOldTrees(Server& s) {
   std::vector<std::shared_ptr<const Tree>> old = s.job->OlderTrees();
   if (old.empty()) return;
@@ -243,6 +244,7 @@ void ReapOldTrees(Server& s) {
                                     n.name.size());
       }
     }
+    s.job->RetireUnusedOlderTrees();
   });
 }
 

@@ -59,6 +59,15 @@ void Job::Forget(uint64_t ino, uint64_t nlookup) {
   RetireIfUnusedLocked(tree);
 }
 
+void Job::RetireUnusedOlderTrees() {
+  std::vector<std::shared_ptr<const Tree>> older = OlderTrees();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& tree : older) RetireIfUnusedLocked(tree);
+  }
+  // `older` goes here, unlocked: the last references close the mappings.
+}
+
 // Lets go of an old tree once the kernel names none of its inodes: no
 // lookup is left, so no file of it is open either. The caller holds `tree`
 // until it has unlocked: the last reference closes the tree's blob

@@ -92,6 +92,12 @@ class Job {
   // The kernel forgot `nlookup` lookups of `ino`: a tree nobody names any
   // more is let go.
   void Forget(uint64_t ino, uint64_t nlookup);
+  // Lets go of the older trees the kernel names nothing of. A switch keeps
+  // the tree it replaces (a lookup may be on its way to it), and a tree
+  // whose last lookup was forgotten while it was current gets no FORGET
+  // after it: once the lookups on their way have arrived, this is what
+  // retires it (and closes its blobs' mappings).
+  void RetireUnusedOlderTrees();
 
   // How a cluster shares out a step's bytes: the groups of a config this
   // host holds (unset: all) and where the views and materialization read

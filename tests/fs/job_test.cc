@@ -492,5 +492,25 @@ TEST_F(JobTest, OlderTreesLiveWhileTheKernelNamesThem) {
   EXPECT_EQ(job->TreeOf(kRootIno), job->current());
 }
 
+// A tree replaced while the kernel named nothing of it gets no FORGET to
+// retire it: the reaper's pass does, and leaves the trees still named.
+TEST_F(JobTest, OlderTreesTheKernelNamesNothingOfAreRetired) {
+  std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
+  const uint64_t unnamed_ckpt = Walk(*job->current(), {"ckpt"})->ino;
+  ASSERT_TRUE(job->Reconfigure(*ParallelConfig::Parse("tp=4,pp=1,dp=1")).ok());
+  ASSERT_EQ(job->OlderTrees().size(), 1u);  // kept by the switch
+  job->RetireUnusedOlderTrees();
+  EXPECT_TRUE(job->OlderTrees().empty());
+  EXPECT_EQ(job->TreeOf(unnamed_ckpt), nullptr);
+  // A tree the kernel still names stays.
+  std::shared_ptr<const Tree> named = job->current();
+  const Node* ckpt = Walk(*named, {"ckpt"});
+  named->CountLookup(ckpt->ino);
+  ASSERT_TRUE(job->Reconfigure(*ParallelConfig::Parse("tp=2,pp=1,dp=1")).ok());
+  job->RetireUnusedOlderTrees();
+  ASSERT_EQ(job->OlderTrees().size(), 1u);
+  EXPECT_EQ(job->TreeOf(ckpt->ino), named);
+}
+
 }  // namespace
 }  // namespace scalai
