@@ -126,14 +126,14 @@ absl::StatusOr<int64_t> StepView::ReadSegments(int group, int shard,
     } else if (held_only) {
       return seg.dst_offset - offset;
     } else if (retained_ != nullptr) {
-      RETURN_IF_ERROR(
-          retained_->ReadTensor(group, shard, seg.dst_offset, seg.length, dst));
+      absl::Status kept =
+          retained_->ReadTensor(group, shard, seg.dst_offset, seg.length, dst);
+      // Once every host has finished, the others may have let go of what
+      // they kept before this one did: they hold the step as stored now.
+      if (absl::IsUnavailable(kept)) kept = ReadRemote(seg, dst);
+      RETURN_IF_ERROR(kept);
     } else if (remote_ != nullptr) {
-      const int64_t size =
-          plan_.from().shards(seg.src.group)[seg.src.shard].bytes;
-      RETURN_IF_ERROR(remote_->Read(step_, plan_.from().config().ToString(),
-                                    seg.src, size, seg.src_offset, seg.length,
-                                    dst, RemoteBytes::Access::kCached));
+      RETURN_IF_ERROR(ReadRemote(seg, dst));
     } else {
       const TensorShard& s = plan_.from().shards(seg.src.group)[seg.src.shard];
       return absl::FailedPreconditionError(
@@ -143,6 +143,13 @@ absl::StatusOr<int64_t> StepView::ReadSegments(int group, int shard,
     }
   }
   return length;
+}
+
+absl::Status StepView::ReadRemote(const Segment& seg, char* dst) const {
+  const int64_t size = plan_.from().shards(seg.src.group)[seg.src.shard].bytes;
+  return remote_->Read(step_, plan_.from().config().ToString(), seg.src, size,
+                       seg.src_offset, seg.length, dst,
+                       RemoteBytes::Access::kCached);
 }
 
 }  // namespace scalai

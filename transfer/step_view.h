@@ -78,6 +78,8 @@ class StepView {
   absl::StatusOr<int64_t> ReadSegments(int group, int shard, int64_t offset,
                                        int64_t length, char* out,
                                        bool held_only) const;
+  // The segment's source bytes, from the peers (`remote_`, set).
+  absl::Status ReadRemote(const Segment& seg, char* dst) const;
   int64_t step_;
   ReshardPlan plan_;
   StepBytes bytes_;
@@ -88,6 +90,8 @@ class StepView {
   // shards and partly on a peer still on the old config (its own
   // materialization failed or runs yet), which holds nothing of the new
   // group whole: read under the old config, each piece lies in one place.
+  // Peers that let go of their kept shards before this host (Unavailable)
+  // are asked again under the config stored now, which they all hold.
   std::unique_ptr<const StepView> retained_;
 };
 
