@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "ptc/status_macros.h"
 #include "tests/store_fixture.h"
 #include "transfer/blob_checksum.h"
 #include "transfer/blob_copy.h"
@@ -27,6 +28,7 @@
 #include "transfer/peer_call.h"
 #include "transfer/peer_client.h"
 #include "transfer/peer_server.h"
+#include "transfer/step_view.h"
 #include "transfer/step_writer.h"
 
 namespace scalai {
@@ -840,6 +842,79 @@ TEST_F(PeerTest, HostsHoldingHalvesReadAndMaterializeThroughEachOther) {
   }
   check_views(*store_, from_b);
   check_views(*store_b, from_a);
+}
+
+// The step as a full copy of it shows it under any config, except under
+// the configs let go of: a peer that has released what it kept.
+class LetGoPeer : public RemoteBytes {
+ public:
+  LetGoPeer(const Store& full, std::string let_go)
+      : full_(full), let_go_(std::move(let_go)) {}
+  absl::Status Read(int64_t step, const std::string& config, ShardRef shard,
+                    int64_t, int64_t offset, int64_t length, char* out,
+                    Access) const override {
+    if (config == let_go_) {
+      return absl::UnavailableError(absl::StrCat("let go of ", config));
+    }
+    ASSIGN_OR_RETURN(ParallelConfig parsed, ParallelConfig::Parse(config));
+    ASSIGN_OR_RETURN(StepRecord record, full_.ResolveStep(step));
+    ASSIGN_OR_RETURN(auto view, StepView::Create(full_, record, parsed));
+    return view->ReadTensor(shard.group, shard.shard, offset, length, out);
+  }
+  void Forget(int64_t) const override {}
+
+ private:
+  const Store& full_;
+  const std::string let_go_;
+};
+
+// Between a host's materialization and its release of what it kept, its
+// views read a group it does not store through what it kept, asking peers
+// for the rest under the config kept. The peers may have let go of theirs
+// already: they are then asked under the config stored now.
+TEST_F(PeerTest, ViewsReadWhatPeersLetGoOfAsTheyStoreItNow) {
+  std::unique_ptr<Store> store_b = CopyStore();
+  const ParallelConfig halves =
+      *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=a+b");
+  const ParallelConfig tp4 = *ParallelConfig::Parse("tp=4,pp=1,dp=1,hosts=b+a");
+  {
+    Materialization::Options o;
+    o.hold = std::vector<int>{1};
+    auto m = Materialization::Write(*store_b, halves, o);
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE(m->Commit(*store_b).ok());
+  }
+  // b stores the first quarter and keeps the second half.
+  {
+    LetGoPeer peer(*store_, "");
+    Materialization::Options o;
+    o.hold = std::vector<int>{0};
+    o.remote = &peer;
+    o.retain = true;
+    auto m = Materialization::Write(*store_b, tp4, o);
+    ASSERT_TRUE(m.ok()) << m.status();
+    ASSERT_TRUE(m->Commit(*store_b).ok());
+  }
+  const StepRecord step = *store_b->ResolveStep(42);
+  ASSERT_EQ(step.retained.size(), 1u);
+  ASSERT_EQ(step.retained[0].config, halves.ToString());
+  ASSERT_EQ(step.retained[0].groups.size(), 1u);
+  // The second quarter is in neither, and its peers hold no half any more.
+  LetGoPeer peer(*store_, halves.ToString());
+  auto view = StepView::Create(*store_b, step, tp4, &peer);
+  ASSERT_TRUE(view.ok()) << view.status();
+  const Placement p4 = *Placement::Create(layout_, model_, tp4);
+  for (int rank = 0; rank < 4; ++rank) {
+    const int g = tp4.ShardGroup(rank);
+    for (size_t k = 0; k < p4.shards(g).size(); ++k) {
+      std::string got(p4.shards(g)[k].bytes, '\0');
+      absl::Status read = (*view)->ReadTensor(g, static_cast<int>(k), 0,
+                                              got.size(), got.data());
+      ASSERT_TRUE(read.ok()) << "rank " << rank << ": " << read;
+      ASSERT_EQ(got, DirectCut(tp4, rank, static_cast<int>(k)))
+          << "rank " << rank << " " << p4.shards(g)[k].local_name;
+    }
+  }
 }
 
 // A host serves its peers while its own materializations commit: each
