@@ -44,11 +44,16 @@ Job::Found Job::Find(uint64_t ino) {
 
 std::vector<std::shared_ptr<const Tree>> Job::OlderTrees() {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<std::shared_ptr<const Tree>> old;
-  for (const auto& [generation, tree] : trees_) {
-    if (generation < current_->generation()) old.push_back(tree);
+  return TreesBeforeLocked(current_->generation());
+}
+
+std::vector<std::shared_ptr<const Tree>> Job::TreesBeforeLocked(
+    uint64_t generation) const {
+  std::vector<std::shared_ptr<const Tree>> older;
+  for (const auto& [g, tree] : trees_) {
+    if (g < generation) older.push_back(tree);
   }
-  return old;
+  return older;
 }
 
 void Job::Forget(uint64_t ino, uint64_t nlookup) {
@@ -60,9 +65,10 @@ void Job::Forget(uint64_t ino, uint64_t nlookup) {
 }
 
 void Job::RetireUnusedOlderTrees() {
-  std::vector<std::shared_ptr<const Tree>> older = OlderTrees();
+  std::vector<std::shared_ptr<const Tree>> older;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    older = TreesBeforeLocked(current_->generation());
     for (const auto& tree : older) RetireIfUnusedLocked(tree);
   }
   // `older` goes here, unlocked: the last references close the mappings.
@@ -103,10 +109,7 @@ std::vector<std::shared_ptr<const Tree>> Job::SwitchLocked(
   const uint64_t replaced = current_->generation();
   trees_[tree->generation()] = tree;
   current_ = std::move(tree);
-  std::vector<std::shared_ptr<const Tree>> older;
-  for (const auto& [generation, t] : trees_) {
-    if (generation < replaced) older.push_back(t);
-  }
+  std::vector<std::shared_ptr<const Tree>> older = TreesBeforeLocked(replaced);
   for (const auto& t : older) RetireIfUnusedLocked(t);
   return older;
 }

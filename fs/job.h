@@ -186,6 +186,9 @@ class Job {
   std::vector<std::shared_ptr<const Tree>> SwitchLocked(
       std::shared_ptr<const Tree> tree);  // requires mu_
   void RetireIfUnusedLocked(const std::shared_ptr<const Tree>& tree);
+  // The live trees of generations before `generation`.
+  std::vector<std::shared_ptr<const Tree>> TreesBeforeLocked(
+      uint64_t generation) const;
   void ApplyRetentionLocked();
   // A tree of the next generation built from the records as they are now,
   // made current.

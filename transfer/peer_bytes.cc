@@ -59,8 +59,7 @@ absl::Status PeerBytes::Await(const std::shared_ptr<Block>& block) const {
     lock.unlock();
     absl::Status fetched =
         Fetch(block->key.step, block->key.config, block->key.shard,
-              block->begin, block->size, block->bytes.get(),
-              /*for_reader=*/true);
+              block->begin, block->size, block->bytes.get(), Access::kCached);
     lock.lock();
     block->status = std::move(fetched);
     block->done = true;
@@ -109,7 +108,7 @@ absl::Status PeerBytes::ReadExact(int64_t step, const std::string& config,
     if (missing_from < 0) return absl::OkStatus();
     absl::Status s =
         Fetch(step, config, shard, missing_from, until - missing_from,
-              out + (missing_from - offset), /*for_reader=*/false);
+              out + (missing_from - offset), Access::kExact);
     missing_from = -1;
     return s;
   };
@@ -182,10 +181,10 @@ absl::Status PeerBytes::Read(int64_t step, const std::string& config,
 
 absl::Status PeerBytes::Fetch(int64_t step, const std::string& config,
                               ShardRef shard, int64_t offset, int64_t length,
-                              char* out, bool for_reader) const {
+                              char* out, Access access) const {
   std::vector<PeerClient*> peers = peers_();
   const PeerClient::TensorRef ref{step, config, shard.group, shard.shard,
-                                  for_reader};
+                                  access == Access::kCached};
   // Spread ranges over the peers: the replicas of a shard share the reads.
   const size_t start =
       peers.empty() ? 0

@@ -68,11 +68,12 @@ class PeerBytes : public RemoteBytes {
   absl::Status ReadExact(int64_t step, const std::string& config,
                          ShardRef shard, int64_t offset, int64_t length,
                          char* out) const;
-  // Reads exactly the range from the peers; `for_reader`: a worker's read
-  // through the mount waits on it (Access::kCached).
+  // Reads exactly the range from the peers: for a worker's read through the
+  // mount (kCached), which the serving host's materialization gives way to,
+  // or for a materialization (kExact).
   absl::Status Fetch(int64_t step, const std::string& config, ShardRef shard,
                      int64_t offset, int64_t length, char* out,
-                     bool for_reader) const;
+                     Access access) const;
 
   // A block of a shard: (step, config, group, shard, block index).
   struct BlockKey {

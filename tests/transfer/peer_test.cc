@@ -129,6 +129,24 @@ class PeerTest : public StoreFixture {
     ADD_FAILURE() << "no " << s.local_name << " in the cut shard";
     return "";
   }
+
+  // Every tensor of every rank `view` shows under `config` equals the
+  // direct cut.
+  void ExpectEveryRankAsCut(const StepView& view,
+                            const ParallelConfig& config) {
+    const Placement p = *Placement::Create(layout_, model_, config);
+    for (int rank = 0; rank < config.world_size(); ++rank) {
+      const int g = config.ShardGroup(rank);
+      for (size_t k = 0; k < p.shards(g).size(); ++k) {
+        std::string got(p.shards(g)[k].bytes, '\0');
+        absl::Status read =
+            view.ReadTensor(g, static_cast<int>(k), 0, got.size(), got.data());
+        ASSERT_TRUE(read.ok()) << "rank " << rank << ": " << read;
+        ASSERT_EQ(got, DirectCut(config, rank, static_cast<int>(k)))
+            << "rank " << rank << " " << p.shards(g)[k].local_name;
+      }
+    }
+  }
 };
 
 TEST_F(PeerTest, ServesEveryTensorOfEveryRankAsCutDirectly) {
@@ -777,17 +795,7 @@ TEST_F(PeerTest, HostsHoldingHalvesReadAndMaterializeThroughEachOther) {
     const StepRecord step = *store.ResolveStep(42);
     auto view = StepView::Create(store, step, tp4, &remote);
     ASSERT_TRUE(view.ok()) << view.status();
-    for (int rank = 0; rank < 4; ++rank) {
-      const int g = tp4.ShardGroup(rank);
-      for (size_t k = 0; k < p4.shards(g).size(); ++k) {
-        std::string got(p4.shards(g)[k].bytes, '\0');
-        absl::Status read = (*view)->ReadTensor(g, static_cast<int>(k), 0,
-                                                got.size(), got.data());
-        ASSERT_TRUE(read.ok()) << read;
-        ASSERT_EQ(got, DirectCut(tp4, rank, static_cast<int>(k)))
-            << "rank " << rank << " " << p4.shards(g)[k].local_name;
-      }
-    }
+    ExpectEveryRankAsCut(**view, tp4);
   };
   check_views(*store_, from_b);
   check_views(*store_b, from_a);
@@ -903,18 +911,7 @@ TEST_F(PeerTest, ViewsReadWhatPeersLetGoOfAsTheyStoreItNow) {
   LetGoPeer peer(*store_, halves.ToString());
   auto view = StepView::Create(*store_b, step, tp4, &peer);
   ASSERT_TRUE(view.ok()) << view.status();
-  const Placement p4 = *Placement::Create(layout_, model_, tp4);
-  for (int rank = 0; rank < 4; ++rank) {
-    const int g = tp4.ShardGroup(rank);
-    for (size_t k = 0; k < p4.shards(g).size(); ++k) {
-      std::string got(p4.shards(g)[k].bytes, '\0');
-      absl::Status read = (*view)->ReadTensor(g, static_cast<int>(k), 0,
-                                              got.size(), got.data());
-      ASSERT_TRUE(read.ok()) << "rank " << rank << ": " << read;
-      ASSERT_EQ(got, DirectCut(tp4, rank, static_cast<int>(k)))
-          << "rank " << rank << " " << p4.shards(g)[k].local_name;
-    }
-  }
+  ExpectEveryRankAsCut(**view, tp4);
 }
 
 // A host serves its peers while its own materializations commit: each
