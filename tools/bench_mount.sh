@@ -9,6 +9,10 @@
 # 64-rank, 300-tensor step. Run by hand, as root (it drops the page cache):
 #   tools/bench_mount.sh [WORKDIR]
 # SCALAI=path/to/scalai measures another build (a "before") with this script.
+# ROUNDS=N (default 3) takes every figure N times and reports the median with
+# the range: on a virtual machine one figure can vary twofold between runs.
+# SETTLE=S (default 4) is the pause before each figure (see settle below);
+# SETTLE=0 measures right after the step before, as this script used to.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scalai=${SCALAI:-$PWD/build/tools/scalai}
@@ -45,6 +49,14 @@ eight_readers() { local t0 files=("$@") i; t0=$(now)
   wait; echo "$(now) - $t0" | bc -l; }
 # Figures for eight readers of one file count the bytes eight readers get.
 cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
+# Every figure starts from memory that has been free a while, as on a
+# machine that has been running. On a VM whose balloon reports free pages
+# (Firecracker, most clouds), pages freed in the last second or two are
+# still backed by the host and cheap to fill again, while older free pages
+# cost a trip to the hypervisor each at first touch (0.4 GB/s here, against
+# 8 GB/s for just-freed ones): without a pause, what the step before freed
+# (an unmount, drop_caches) decides the next figure more than the reader.
+settle() { sleep "${SETTLE:-4}"; }
 # The blobs of the store being measured (measure's `store`) in the cache.
 warm() { cat "$store"/blobs/* >/dev/null; }
 
@@ -61,6 +73,7 @@ measure() {
     rm -rf "$work/copy" && cp -a "$work/store" "$work/copy" && sync && store=$work/copy
   fi
   $cache
+  settle
   if [[ $what == pt ]]; then
     "$pt" -o source="$work/source",cache=never "$work/pt"
     files=("$work"/pt/*)
@@ -83,28 +96,43 @@ assembled=tp=8,pp=1,dp=1
 # passthrough_ll serves the stored step's blobs alone.
 mkdir -p "$work/source" && ln "${blobs[@]}" "$work/source/"
 first_file_gib=$(echo "$(stat -c %s "${blobs[0]}") / 1073741824" | bc -l)
-declare -A t
-for cache in warm cold; do
-  for what in dd pt $stored $assembled; do
-    t[$cache,one,$what]=$(measure one $cache $what)
-    t[$cache,eight,$what]=$(measure eight $cache $what)
+rounds=${ROUNDS:-3}
+# all[key]: every round's seconds, space-separated.
+declare -A all
+for ((round = 1; round <= rounds; round++)); do
+  for cache in warm cold; do
+    for what in dd pt $stored $assembled; do
+      all[$cache,one,$what]+=" $(measure one $cache $what)"
+      all[$cache,eight,$what]+=" $(measure eight $cache $what)"
+    done
+    # Eight readers of one stored rank (data-parallel replicas reading one
+    # shard), against eight readers of its blob through passthrough_ll.
+    for what in pt $stored dd; do
+      all[$cache,same,$what]+=" $(measure same $cache $what)"
+    done
   done
-  # Eight readers of one stored rank (data-parallel replicas reading one
-  # shard), against eight readers of its blob through passthrough_ll.
-  t[$cache,same,pt]=$(measure same $cache pt)
-  t[$cache,same,$stored]=$(measure same $cache $stored)
-  t[$cache,same,dd]=$(measure same $cache dd)
+done
+# t[key]: the median; range[key]: "min-max" of the rounds.
+declare -A t range
+for key in "${!all[@]}"; do
+  mapfile -t sorted < <(printf '%s\n' ${all[$key]} | sort -g)
+  n=${#sorted[@]}
+  if ((n % 2)); then t[$key]=${sorted[n / 2]}
+  else t[$key]=$(echo "(${sorted[n / 2 - 1]} + ${sorted[n / 2]}) / 2" | bc -l); fi
+  range[$key]=$(printf '%.2f-%.2f' "${sorted[0]}" "${sorted[n - 1]}")
 done
 
 rate() { printf '%5.2f GiB/s' "$(echo "$2 / $1" | bc -l)"; }
 ratio() { printf '%5.2fx' "$(echo "$2 / $1" | bc -l)"; }
 printf 'reading %.2f GiB (8 shard files of a tp=4,pp=2 step), 1 MiB blocks, first read after mount\n' "$gib"
+printf 'median of %d rounds (range in seconds); ratios of the medians; %s s pause before each\n' "$rounds" "${SETTLE:-4}"
 for cache in warm cold; do
   if [[ $cache == warm ]]; then
-    printf '\nblobs in the page cache          time      rate        vs passthrough_ll  vs page cache\n'
+    title="blobs in the page cache" against="vs page cache"
   else
-    printf '\ncold cache (drop_caches first)   time      rate        vs passthrough_ll  vs dd (cold)\n'
+    title="cold cache (drop_caches first)" against="vs dd (cold)"
   fi
+  printf '\n%-52s %8s %-11s %-11s  %-18s%s\n' "$title" time range rate "vs passthrough_ll" "$against"
   for how in one eight same; do
     size=$gib; [[ $how == same ]] && size=$(echo "$first_file_gib * 8" | bc -l)
     whats=(dd pt $stored $assembled); [[ $how == same ]] && whats=(dd pt $stored)
@@ -115,7 +143,7 @@ for cache in warm cold; do
       esac
       case $how in one) label="1 reader:  $label" ;; eight) label="8 readers: $label" ;; same) label="8 on 1:    $label" ;; esac
       secs=${t[$cache,$how,$what]}
-      line=$(printf '%-52s %6.2f s %s' "$label" "$secs" "$(rate "$secs" "$size")")
+      line=$(printf '%-52s %6.2f s %-11s %s' "$label" "$secs" "(${range[$cache,$how,$what]})" "$(rate "$secs" "$size")")
       if [[ $what != dd && $what != pt ]]; then
         line+="  $(ratio "$secs" "${t[$cache,$how,pt]}")            $(ratio "$secs" "${t[$cache,$how,dd]}")"
       fi
