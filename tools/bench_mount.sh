@@ -51,11 +51,12 @@ eight_readers() { local t0 files=("$@") i; t0=$(now)
 cold() { sync; echo 3 > /proc/sys/vm/drop_caches; }
 # Every figure starts from memory that has been free a while, as on a
 # machine that has been running. On a VM whose balloon reports free pages
-# (Firecracker, most clouds), pages freed in the last second or two are
-# still backed by the host and cheap to fill again, while older free pages
-# cost a trip to the hypervisor each at first touch (0.4 GB/s here, against
-# 8 GB/s for just-freed ones): without a pause, what the step before freed
-# (an unmount, drop_caches) decides the next figure more than the reader.
+# to the host (free page reporting, as here), pages freed in the last
+# second or two are still backed by the host and cheap to fill again, while
+# older free pages cost a trip to the hypervisor each at first touch (0.4
+# GB/s here, against 8 GB/s for just-freed ones): without a pause, what the
+# step before freed (an unmount, drop_caches) decides the next figure more
+# than the reader.
 settle() { sleep "${SETTLE:-4}"; }
 # The blobs of the store being measured (measure's `store`) in the cache.
 warm() { cat "$store"/blobs/* >/dev/null; }
