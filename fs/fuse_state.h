@@ -23,7 +23,6 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "fs/blob_fds.h"
 #include "fs/job.h"
 #include "fs/save_area.h"
 #include "fs/tree.h"
@@ -35,12 +34,10 @@ namespace scalai::fuse {
 
 // Large requests are what make FUSE fast: one request per MiB.
 inline constexpr unsigned kMaxIo = 1 << 20;
-// Reads a little less: a reply spliced from blobs' files passes through a
-// pipe, which holds at most 1 MiB (fs.pipe-max-size), and libfuse splices
-// only when the reply, plus a page for its header and for each piece and
-// one more, fits: 960 KiB leaves room for a reply in kMaxSplicedPieces.
+// Reads a little less, the size every read benchmark in docs/benchmarks.md
+// was measured with (it once let a reply spliced from a blob's file fit a
+// 1 MiB pipe; replies are copied now).
 inline constexpr unsigned kMaxRead = kMaxIo - 16 * 4096;
-inline constexpr size_t kMaxSplicedPieces = 13;
 // How far ahead the kernel reads a file being read in order: several
 // requests in flight at once, served by several threads.
 inline constexpr unsigned kReadAhead = 4 << 20;
@@ -113,8 +110,6 @@ struct Handle {
   // checking a file known to be incomplete.
   absl::Status write_error;
   const std::optional<std::vector<DirEntry>> listing;
-  // The blob files reads of this file splice from.
-  BlobFds blob_fds;
 };
 
 // A name longer than a Linux file system takes (NAME_MAX, 255 bytes) is

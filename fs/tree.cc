@@ -641,47 +641,6 @@ const BlobReader& Tree::ExtraReader(int extra) const {
   return *blob.reader;
 }
 
-absl::StatusOr<std::vector<Tree::ReadPiece>> Tree::ReadPieces(
-    const Node& node, int64_t offset, int64_t length, size_t max_pieces) const {
-  std::vector<ReadPiece> pieces;
-  if (node.kind != NodeKind::kFile || node.data != DataFile::kNone ||
-      max_pieces == 0) {
-    return pieces;
-  }
-  const int64_t size = SizeOf(node);
-  if (offset >= size || length <= 0) return pieces;
-  length = std::min(length, size - offset);
-  if (node.extra >= 0) {
-    const BlobReader& blob = ExtraReader(node.extra);
-    RETURN_IF_ERROR(blob.Verify(offset, length));
-    pieces.push_back({&blob, offset, nullptr, length});
-    return pieces;
-  }
-  if (node.view < 0) return pieces;  // a short text: copied
-  const StepView& view = *views_[node.view];
-  if (offset < HeaderSize(node)) {
-    const int64_t n = std::min(length, HeaderSize(node) - offset);
-    pieces.push_back({nullptr, 0, node.text.data() + offset, n});
-  }
-  std::vector<StepView::BlobRun> runs;
-  const size_t max_runs = max_pieces - pieces.size();
-  absl::StatusOr<bool> stored = ForEachTensorPart(
-      node, offset, length,
-      [&](int shard, int64_t within, int64_t n) -> absl::StatusOr<bool> {
-        return view.StoredRuns(node.group, shard, within, n, max_runs, runs);
-      });
-  if (!stored.ok()) return stored.status();
-  if (!*stored) return std::vector<ReadPiece>();
-  // Verified only now: a read that is copied instead verifies in Read.
-  UnchangedBlobs unchanged;
-  for (const StepView::BlobRun& run : runs) {
-    RETURN_IF_ERROR(unchanged.Check(*run.blob));
-    RETURN_IF_ERROR(run.blob->VerifyChunks(run.offset, run.length));
-    pieces.push_back({run.blob, run.offset, nullptr, run.length});
-  }
-  return pieces;
-}
-
 int64_t Tree::HeaderSize(const Node& node) const {
   return node.shard >= 0 ? 0 : static_cast<int64_t>(node.text.size());
 }

@@ -125,24 +125,6 @@ class Tree {
   // Reads up to `length` bytes at `offset`; returns how many (0 at the end).
   absl::StatusOr<int64_t> Read(const Node& node, int64_t offset, int64_t length,
                                char* out) const;
-  // One piece of a read: `length` bytes at `offset` in `blob`, for the
-  // kernel to copy from the blob's file, or at `memory`.
-  struct ReadPiece {
-    const BlobReader* blob = nullptr;
-    int64_t offset = 0;
-    const char* memory = nullptr;
-    int64_t length = 0;
-  };
-  // What Read would return, as at most `max_pieces` pieces, when every byte
-  // is either text the tree holds or a run of a blob this host stores (of a
-  // model.safetensors, a tensors/ file or an extra file), the runs
-  // verified: the server sends those without copying them itself. Empty
-  // when some bytes must be made here (zeros, another host's, rows of
-  // tensors: then Read), and at the end of the file.
-  absl::StatusOr<std::vector<ReadPiece>> ReadPieces(const Node& node,
-                                                    int64_t offset,
-                                                    int64_t length,
-                                                    size_t max_pieces) const;
   uint64_t generation() const { return generation_; }
   // Inode numbers: the generation in the high 24 bits, an index below.
   static constexpr int kIndexBits = 40;

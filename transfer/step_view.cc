@@ -70,35 +70,6 @@ absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
       .status();
 }
 
-absl::StatusOr<bool> StepView::StoredRuns(int group, int shard, int64_t offset,
-                                          int64_t length, size_t max_runs,
-                                          std::vector<BlobRun>& runs) const {
-  // Appends a run; false once there are too many.
-  auto append = [&](const StepBytes::Tensor& t, int64_t at, int64_t n) {
-    const int64_t in_blob = t.offset + at;
-    if (!runs.empty() && runs.back().blob == t.blob &&
-        runs.back().offset + runs.back().length == in_blob) {
-      runs.back().length += n;
-    } else {
-      runs.push_back({t.blob, in_blob, n});
-    }
-    return runs.size() <= max_runs;
-  };
-  ShardRef same = plan_.in_place_source(group, shard);
-  if (same.valid() && bytes_.holds(same.group)) {
-    return append(bytes_.tensor(same), offset, length);
-  }
-  ASSIGN_OR_RETURN(std::vector<Segment> segments,
-                   plan_.Resolve(group, shard, offset, length));
-  for (const Segment& seg : segments) {
-    if (!seg.src.valid() || !bytes_.holds(seg.src.group) ||
-        !append(bytes_.tensor(seg.src), seg.src_offset, seg.length)) {
-      return false;
-    }
-  }
-  return true;
-}
-
 absl::StatusOr<int64_t> StepView::ReadHeldPrefix(int group, int shard,
                                                  int64_t offset, int64_t length,
                                                  char* out) const {

@@ -46,22 +46,6 @@ class StepView {
   // Bytes [offset, offset + length) of placement().shards(group)[shard].
   absl::Status ReadTensor(int group, int shard, int64_t offset, int64_t length,
                           char* out) const;
-  // Bytes [offset, offset + length) of a blob.
-  struct BlobRun {
-    const BlobReader* blob = nullptr;
-    int64_t offset = 0;
-    int64_t length = 0;
-  };
-  // Appends to `runs` where bytes [offset, offset + length) of the shard lie
-  // in blobs this host stores, in order, each run joined to the one before
-  // when it continues it: for a reader that lets the kernel copy them
-  // (BlobReader::OpenFd), once it has verified them (BlobReader::Verify).
-  // Returns false, having appended some or none, when they lie in more than
-  // `max_runs` runs or some are not stored here as they are (zeros, another
-  // host's): then ReadTensor.
-  absl::StatusOr<bool> StoredRuns(int group, int shard, int64_t offset,
-                                  int64_t length, size_t max_runs,
-                                  std::vector<BlobRun>& runs) const;
   // The same, but only as far as this host holds the bytes: reads the
   // longest such prefix and returns its length (what a peer serves).
   absl::StatusOr<int64_t> ReadHeldPrefix(int group, int shard, int64_t offset,

@@ -68,20 +68,17 @@ TEST_F(TreeTest, ViewsEqualShardsCutDirectlyForTheMountedConfig) {
   }
 }
 
-// What ReadPieces hands the server, read back from the blobs' files, is
-// exactly what Read copies, for reads at any offset and of any length: of
-// the stored config (every read lies in blobs, none is copied), of a config
-// whose shards are runs of the stored ones, and of one that cuts rows.
-TEST_F(TreeTest, ReadPiecesHoldWhatReadCopies) {
+// A read at any offset and of any length returns those bytes of the whole
+// file: of the stored config (every byte from one blob), of a config whose
+// shards are runs of the stored ones, and of one that cuts rows.
+TEST_F(TreeTest, ReadsAtAnyOffsetReturnThoseBytesOfTheWholeFile) {
   std::mt19937_64 rng(7);
   for (const char* text :
        {"tp=2,pp=1,dp=1", "tp=1,pp=3,dp=1", "tp=4,pp=1,dp=1"}) {
     SCOPED_TRACE(text);
     const ParallelConfig config = *ParallelConfig::Parse(text);
-    const bool stored = config == saved_config();
     auto tree = Tree::Build(*store_, config);
     ASSERT_TRUE(tree.ok()) << tree.status();
-    int spliced = 0, copied = 0;
     for (int rank = 0; rank < config.world_size(); ++rank) {
       const std::string rank_name = absl::StrFormat("rank-%05d", rank);
       std::vector<const Node*> files = {Walk(
@@ -96,48 +93,19 @@ TEST_F(TreeTest, ReadPiecesHoldWhatReadCopies) {
       for (const Node* file : files) {
         ASSERT_NE(file, nullptr);
         const std::string whole = ReadNode(**tree, *file, 1 << 20);
+        ASSERT_EQ(static_cast<int64_t>(whole.size()), file->size);
         for (int i = 0; i < 40; ++i) {
           const int64_t offset = static_cast<int64_t>(rng() % file->size);
           const int64_t length = 1 + static_cast<int64_t>(rng() % 20000);
-          const size_t max_pieces = 1 + rng() % 13;
-          auto pieces = (*tree)->ReadPieces(*file, offset, length, max_pieces);
-          ASSERT_TRUE(pieces.ok()) << pieces.status();
-          // A stored shard is its header and one blob's run.
-          if (stored && max_pieces >= 2) {
-            EXPECT_FALSE(pieces->empty());
-          }
-          if (pieces->empty()) {
-            ++copied;
-            continue;
-          }
-          ++spliced;
-          EXPECT_LE(pieces->size(), max_pieces);
-          std::string got;
-          for (const Tree::ReadPiece& piece : *pieces) {
-            ASSERT_GT(piece.length, 0);
-            if (piece.blob == nullptr) {
-              got.append(piece.memory, piece.length);
-              continue;
-            }
-            auto fd = piece.blob->OpenFd();
-            ASSERT_TRUE(fd.ok()) << fd.status();
-            std::string bytes(piece.length, '\0');
-            ASSERT_EQ(
-                pread(fd->get(), bytes.data(), bytes.size(), piece.offset),
-                piece.length);
-            got += bytes;
-          }
+          std::string got(length, '\0');
+          auto n = (*tree)->Read(*file, offset, length, got.data());
+          ASSERT_TRUE(n.ok()) << n.status();
+          got.resize(*n);
           ASSERT_EQ(got, whole.substr(offset, length))
               << offset << "+" << length;
         }
       }
     }
-    EXPECT_GT(spliced, 0);
-    // tp=4 from tp=2 cuts rows of the row-parallel weights: copied.
-    if (std::string(text) == "tp=4,pp=1,dp=1") {
-      EXPECT_GT(copied, 0);
-    }
-    std::printf("%s: %d reads spliced, %d copied\n", text, spliced, copied);
   }
 }
 
