@@ -34,9 +34,9 @@ namespace scalai::fuse {
 
 // Large requests are what make FUSE fast: one request per MiB.
 inline constexpr unsigned kMaxIo = 1 << 20;
-// Reads a little less, the size every read benchmark in docs/benchmarks.md
-// was measured with (it once let a reply spliced from a blob's file fit a
-// 1 MiB pipe; replies are copied now).
+// Reads a little less: the size the read benchmarks since 2026-12-05 were
+// measured with (it let a reply spliced from a blob's file fit a 1 MiB
+// pipe; replies are copied now, and 1 MiB has not been measured).
 inline constexpr unsigned kMaxRead = kMaxIo - 16 * 4096;
 // How far ahead the kernel reads a file being read in order: several
 // requests in flight at once, served by several threads.
