@@ -10,6 +10,7 @@
 #include "nlohmann/json.hpp"
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
+#include "transfer/blob_reader.h"
 #include "transfer/dataset_source.h"
 
 namespace scalai {
@@ -619,15 +620,19 @@ absl::StatusOr<int64_t> Tree::Read(const Node& node, int64_t offset,
       std::min(length, std::max<int64_t>(0, HeaderSize(node) - offset));
   if (header > 0) std::memcpy(out, node.text.data() + offset, header);
   char* next = out + header;
-  RETURN_IF_ERROR(ForEachTensorPart(node, offset, length,
-                                    [&](int shard, int64_t within,
-                                        int64_t n) -> absl::StatusOr<bool> {
-                                      RETURN_IF_ERROR(view.ReadTensor(
-                                          node.group, shard, within, n, next));
-                                      next += n;
-                                      return true;
-                                    })
-                      .status());
+  // One look at each blob for the whole request, however many tensors it
+  // spans.
+  UnchangedBlobs unchanged;
+  RETURN_IF_ERROR(
+      ForEachTensorPart(
+          node, offset, length,
+          [&](int shard, int64_t within, int64_t n) -> absl::StatusOr<bool> {
+            RETURN_IF_ERROR(
+                view.ReadTensor(node.group, shard, within, n, next, unchanged));
+            next += n;
+            return true;
+          })
+          .status());
   return length;
 }
 

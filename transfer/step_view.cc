@@ -57,32 +57,40 @@ absl::StatusOr<std::unique_ptr<StepView>> StepView::CreateRetained(
 
 absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
                                   int64_t length, char* out) const {
+  UnchangedBlobs unchanged;
+  return ReadTensor(group, shard, offset, length, out, unchanged);
+}
+
+absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
+                                  int64_t length, char* out,
+                                  UnchangedBlobs& unchanged) const {
   ShardRef same = plan_.in_place_source(group, shard);
   if (same.valid() && bytes_.holds(same.group)) {
     const StepBytes::Tensor& t = bytes_.tensor(same);
-    RETURN_IF_ERROR(t.Verify(offset, length));
+    RETURN_IF_ERROR(t.Verify(offset, length, unchanged));
     if (!ReadMapped([&] { std::memcpy(out, t.data + offset, length); })) {
       return t.blob->CutShort();
     }
     return absl::OkStatus();
   }
-  return ReadSegments(group, shard, offset, length, out, /*held_only=*/false)
+  return ReadSegments(group, shard, offset, length, out, /*held_only=*/false,
+                      unchanged)
       .status();
 }
 
 absl::StatusOr<int64_t> StepView::ReadHeldPrefix(int group, int shard,
                                                  int64_t offset, int64_t length,
                                                  char* out) const {
-  return ReadSegments(group, shard, offset, length, out, /*held_only=*/true);
+  UnchangedBlobs unchanged;
+  return ReadSegments(group, shard, offset, length, out, /*held_only=*/true,
+                      unchanged);
 }
 
-absl::StatusOr<int64_t> StepView::ReadSegments(int group, int shard,
-                                               int64_t offset, int64_t length,
-                                               char* out,
-                                               bool held_only) const {
+absl::StatusOr<int64_t> StepView::ReadSegments(
+    int group, int shard, int64_t offset, int64_t length, char* out,
+    bool held_only, UnchangedBlobs& unchanged) const {
   ASSIGN_OR_RETURN(std::vector<Segment> segments,
                    plan_.Resolve(group, shard, offset, length));
-  UnchangedBlobs unchanged;
   for (const Segment& seg : segments) {
     char* dst = out + (seg.dst_offset - offset);
     if (!seg.src.valid()) {
@@ -97,8 +105,8 @@ absl::StatusOr<int64_t> StepView::ReadSegments(int group, int shard,
     } else if (held_only) {
       return seg.dst_offset - offset;
     } else if (retained_ != nullptr) {
-      absl::Status kept =
-          retained_->ReadTensor(group, shard, seg.dst_offset, seg.length, dst);
+      absl::Status kept = retained_->ReadTensor(group, shard, seg.dst_offset,
+                                                seg.length, dst, unchanged);
       // Once every host has finished, the others may have let go of what
       // they kept before this one did: they hold the step as stored now.
       if (absl::IsUnavailable(kept)) kept = ReadRemote(seg, dst);

@@ -46,6 +46,10 @@ class StepView {
   // Bytes [offset, offset + length) of placement().shards(group)[shard].
   absl::Status ReadTensor(int group, int shard, int64_t offset, int64_t length,
                           char* out) const;
+  // The same for one of many reads that make up one operation (a request
+  // spanning several tensors): each blob is looked at once for all of them.
+  absl::Status ReadTensor(int group, int shard, int64_t offset, int64_t length,
+                          char* out, UnchangedBlobs& unchanged) const;
   // The same, but only as far as this host holds the bytes: reads the
   // longest such prefix and returns its length (what a peer serves).
   absl::StatusOr<int64_t> ReadHeldPrefix(int group, int shard, int64_t offset,
@@ -61,7 +65,8 @@ class StepView {
   // Reads the segments in order while `held` allows; returns bytes read.
   absl::StatusOr<int64_t> ReadSegments(int group, int shard, int64_t offset,
                                        int64_t length, char* out,
-                                       bool held_only) const;
+                                       bool held_only,
+                                       UnchangedBlobs& unchanged) const;
   // The segment's source bytes, from the peers (`remote_`, set).
   absl::Status ReadRemote(const Segment& seg, char* dst) const;
   int64_t step_;
