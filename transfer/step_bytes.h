@@ -10,6 +10,7 @@
 #ifndef SCALAI_TRANSFER_STEP_BYTES_H_
 #define SCALAI_TRANSFER_STEP_BYTES_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -40,6 +41,9 @@ class StepBytes {
 
   // Whether this store holds the group's shards.
   bool holds(int group) const { return held_[group]; }
+  bool holds_every_group() const {
+    return std::find(held_.begin(), held_.end(), false) == held_.end();
+  }
 
   // A stored tensor: mapped, and as a blob and offset for copies that stay
   // inside the kernel (BlobReader::OpenFd). Bytes may be used only after

@@ -30,7 +30,9 @@ absl::StatusOr<std::unique_ptr<StepView>> StepView::Create(
   ASSIGN_OR_RETURN(StepBytes bytes, StepBytes::Load(store, step, *from));
   std::unique_ptr<StepView> view(
       new StepView(step.step, std::move(plan), std::move(bytes), remote));
-  if (remote != nullptr && !step.retained.empty()) {
+  // What this host kept is read only for groups it does not hold.
+  if (remote != nullptr && !step.retained.empty() &&
+      !view->bytes_.holds_every_group()) {
     ASSIGN_OR_RETURN(
         view->retained_,
         CreateRetained(store, step.step, step.retained.back(), config, remote));
