@@ -130,6 +130,14 @@ class PeerTest : public StoreFixture {
     return "";
   }
 
+  // What b's peer a still serves between b's materialization of tp4 and
+  // its release of the half it kept (StoreFirstQuarterKeepingSecondHalf):
+  // the step under the config b kept (a has not stored tp4 yet), or under
+  // tp4 (a has stored it and let go of what it kept). Checks b's views of
+  // tp4 against the direct cut.
+  enum class PeerServes { kKeptConfig, kNewConfig };
+  void ExpectViewsOfKeptHalfAsCut(PeerServes serves);
+
   // Every tensor of every rank `view` shows under `config` equals the
   // direct cut.
   void ExpectEveryRankAsCut(const StepView& view,
@@ -919,29 +927,28 @@ KeptHalf StoreFirstQuarterKeepingSecondHalf(const Store& a, Store& b) {
   return kept;
 }
 
-// Its peer has not stored the new config yet: b reads the second half from
-// what it kept and the second quarter from the peer under the config kept.
-TEST_F(PeerTest, ViewsReadWhatThisHostKeptWhileThePeerHoldsTheOldConfig) {
+void PeerTest::ExpectViewsOfKeptHalfAsCut(PeerServes serves) {
   std::unique_ptr<Store> store_b = CopyStore();
   const KeptHalf kept = StoreFirstQuarterKeepingSecondHalf(*store_, *store_b);
-  ASSERT_FALSE(HasFailure());
-  LetGoPeer peer(*store_, kept.tp4.ToString());
+  if (HasFailure()) return;
+  LetGoPeer peer(*store_, serves == PeerServes::kKeptConfig
+                              ? kept.tp4.ToString()
+                              : kept.halves.ToString());
   auto view = StepView::Create(*store_b, kept.step, kept.tp4, &peer);
   ASSERT_TRUE(view.ok()) << view.status();
   ExpectEveryRankAsCut(**view, kept.tp4);
 }
 
+// b reads the second half from what it kept and the second quarter from
+// the peer under the config kept.
+TEST_F(PeerTest, ViewsReadWhatThisHostKeptWhileThePeerHoldsTheOldConfig) {
+  ExpectViewsOfKeptHalfAsCut(PeerServes::kKeptConfig);
+}
+
 // The second quarter is in neither of b's, and its peer holds no half any
-// more: it has let go of what it kept, and is asked under the config
-// stored now.
+// more: it is asked under the config stored now.
 TEST_F(PeerTest, ViewsReadWhatPeersLetGoOfAsTheyStoreItNow) {
-  std::unique_ptr<Store> store_b = CopyStore();
-  const KeptHalf kept = StoreFirstQuarterKeepingSecondHalf(*store_, *store_b);
-  ASSERT_FALSE(HasFailure());
-  LetGoPeer peer(*store_, kept.halves.ToString());
-  auto view = StepView::Create(*store_b, kept.step, kept.tp4, &peer);
-  ASSERT_TRUE(view.ok()) << view.status();
-  ExpectEveryRankAsCut(**view, kept.tp4);
+  ExpectViewsOfKeptHalfAsCut(PeerServes::kNewConfig);
 }
 
 // A host serves its peers while its own materializations commit: each
