@@ -13,6 +13,8 @@
 # the range: on a virtual machine one figure can vary twofold between runs.
 # SETTLE=S (default 4) is the pause before each figure (see settle below);
 # SETTLE=0 measures right after the step before, as this script used to.
+# COPY_BLOBS=1 gives each assembled figure a store whose blobs are copied,
+# not hard-linked (as this script did until 2026-12-06).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scalai=${SCALAI:-$PWD/build/tools/scalai}
@@ -62,6 +64,14 @@ settle() { sleep "${SETTLE:-4}"; }
 warm() { cat "$store"/blobs/* >/dev/null; }
 
 mkdir -p "$work/mnt" "$work/pt"
+# A copy of store $1 at $2: its catalog copied, its blobs linked (or
+# copied, with COPY_BLOBS=1), synced.
+copy_store() {
+  mkdir "$2"
+  find "$1" -mindepth 1 -maxdepth 1 ! -name blobs -exec cp -a {} "$2/" \;
+  if [[ ${COPY_BLOBS:-0} == 1 ]]; then cp -a "$1/blobs" "$2/blobs"; else cp -al "$1/blobs" "$2/blobs"; fi
+  sync
+}
 ranks() { ls -d "$work"/mnt/ckpt/latest/rank-*/model.safetensors; }
 # $1: what to measure (one|eight|same), $2: cold|warm, $3: config or "pt".
 measure() {
@@ -69,9 +79,13 @@ measure() {
   if [[ $what == "$assembled" ]]; then
     # Mounting under another config starts storing the step under it
     # (materialization, running beside the reads as it would after a
-    # reconfiguration), which replaces the blobs: each time on a new copy.
-    # Synced, so that writing the copy back is not measured with the reads.
-    rm -rf "$work/copy" && cp -a "$work/store" "$work/copy" && sync && store=$work/copy
+    # reconfiguration), which replaces the blobs: each time on a new copy
+    # of the store whose blobs are hard links (blobs are never written
+    # once stored; the new ones are new files). Copying 1.93 GiB of blobs
+    # instead made the next read through the mount as slow as an
+    # assembled one even for stored shards: new page-cache pages on this
+    # VM (docs/benchmarks.md). COPY_BLOBS=1 copies them, as before.
+    rm -rf "$work/copy" && copy_store "$work/store" "$work/copy" && store=$work/copy
   fi
   $cache
   settle
