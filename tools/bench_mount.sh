@@ -81,10 +81,11 @@ measure() {
     # (materialization, running beside the reads as it would after a
     # reconfiguration), which replaces the blobs: each time on a new copy
     # of the store whose blobs are hard links (blobs are never written
-    # once stored; the new ones are new files). Copying 1.93 GiB of blobs
-    # instead made the next read through the mount as slow as an
-    # assembled one even for stored shards: new page-cache pages on this
-    # VM (docs/benchmarks.md). COPY_BLOBS=1 copies them, as before.
+    # once stored; the new ones are new files), so that it reads the same
+    # pages as the stored figures and the references. On this VM, reads of
+    # freshly copied blobs through the mount took two to three times as
+    # long, stored shards too (docs/benchmarks.md). COPY_BLOBS=1 copies
+    # them, as before.
     rm -rf "$work/copy" && copy_store "$work/store" "$work/copy" && store=$work/copy
   fi
   $cache
