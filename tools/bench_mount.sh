@@ -82,10 +82,10 @@ measure() {
     # reconfiguration), which replaces the blobs: each time on a new copy
     # of the store whose blobs are hard links (blobs are never written
     # once stored; the new ones are new files), so that it reads the same
-    # pages as the stored figures and the references. On this VM, reads of
-    # freshly copied blobs through the mount took two to three times as
-    # long, stored shards too (docs/benchmarks.md). COPY_BLOBS=1 copies
-    # them, as before.
+    # pages as the stored figures and the references. On this VM, reading
+    # freshly copied blobs through the mount took assembled shards two to
+    # three times as long, and stored ones longer too (docs/benchmarks.md).
+    # COPY_BLOBS=1 copies them, as before.
     rm -rf "$work/copy" && copy_store "$work/store" "$work/copy" && store=$work/copy
   fi
   $cache
