@@ -36,8 +36,9 @@ namespace scalai::fuse {
 inline constexpr unsigned kMaxIo = 1 << 20;
 // Reads a little less: the size the read benchmarks since 2026-12-05 were
 // measured with (it let a reply spliced from a blob's file fit a 1 MiB
-// pipe). Replies are copied now; 1 MiB read no differently (three rounds
-// alternating with this size, 2026-12-06, within this VM's noise).
+// pipe). Replies are copied now; 1 MiB, three rounds alternating with this
+// size (2026-12-06), was faster for one reader and slower for eight: no
+// clear gain.
 inline constexpr unsigned kMaxRead = kMaxIo - 16 * 4096;
 // How far ahead the kernel reads a file being read in order: several
 // requests in flight at once, served by several threads.
