@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
-#include "transfer/mapping_guard.h"
 
 namespace scalai {
 namespace {
@@ -59,38 +58,34 @@ absl::StatusOr<std::unique_ptr<StepView>> StepView::CreateRetained(
 
 absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
                                   int64_t length, char* out) const {
-  UnchangedBlobs unchanged;
-  return ReadTensor(group, shard, offset, length, out, unchanged);
+  ReadChecks checks;
+  return ReadTensor(group, shard, offset, length, out, checks);
 }
 
 absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
                                   int64_t length, char* out,
-                                  UnchangedBlobs& unchanged) const {
+                                  ReadChecks& checks) const {
   ShardRef same = plan_.in_place_source(group, shard);
   if (same.valid() && bytes_.holds(same.group)) {
-    const StepBytes::Tensor& t = bytes_.tensor(same);
-    RETURN_IF_ERROR(t.Verify(offset, length, unchanged));
-    if (!ReadMapped([&] { std::memcpy(out, t.data + offset, length); })) {
-      return t.blob->CutShort();
-    }
-    return absl::OkStatus();
+    return bytes_.tensor(same).Copy(offset, length, out, checks);
   }
   return ReadSegments(group, shard, offset, length, out, /*held_only=*/false,
-                      unchanged)
+                      checks)
       .status();
 }
 
 absl::StatusOr<int64_t> StepView::ReadHeldPrefix(int group, int shard,
                                                  int64_t offset, int64_t length,
                                                  char* out) const {
-  UnchangedBlobs unchanged;
+  ReadChecks checks;
   return ReadSegments(group, shard, offset, length, out, /*held_only=*/true,
-                      unchanged);
+                      checks);
 }
 
-absl::StatusOr<int64_t> StepView::ReadSegments(
-    int group, int shard, int64_t offset, int64_t length, char* out,
-    bool held_only, UnchangedBlobs& unchanged) const {
+absl::StatusOr<int64_t> StepView::ReadSegments(int group, int shard,
+                                               int64_t offset, int64_t length,
+                                               char* out, bool held_only,
+                                               ReadChecks& checks) const {
   ASSIGN_OR_RETURN(std::vector<Segment> segments,
                    plan_.Resolve(group, shard, offset, length));
   for (const Segment& seg : segments) {
@@ -98,17 +93,13 @@ absl::StatusOr<int64_t> StepView::ReadSegments(
     if (!seg.src.valid()) {
       std::memset(dst, 0, seg.length);
     } else if (bytes_.holds(seg.src.group)) {
-      const StepBytes::Tensor& t = bytes_.tensor(seg.src);
-      RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length, unchanged));
-      if (!ReadMapped(
-              [&] { std::memcpy(dst, t.data + seg.src_offset, seg.length); })) {
-        return t.blob->CutShort();
-      }
+      RETURN_IF_ERROR(
+          bytes_.tensor(seg.src).Copy(seg.src_offset, seg.length, dst, checks));
     } else if (held_only) {
       return seg.dst_offset - offset;
     } else if (retained_ != nullptr) {
       absl::Status kept = retained_->ReadTensor(group, shard, seg.dst_offset,
-                                                seg.length, dst, unchanged);
+                                                seg.length, dst, checks);
       // Once every host has finished, the others may have let go of what
       // they kept before this one did: they hold the step as stored now.
       if (absl::IsUnavailable(kept)) kept = ReadRemote(seg, dst);
