@@ -622,13 +622,13 @@ absl::StatusOr<int64_t> Tree::Read(const Node& node, int64_t offset,
   char* next = out + header;
   // One look at each blob for the whole request, however many tensors it
   // spans.
-  ReadChecks checks;
+  UnchangedBlobs unchanged;
   RETURN_IF_ERROR(
       ForEachTensorPart(
           node, offset, length,
           [&](int shard, int64_t within, int64_t n) -> absl::StatusOr<bool> {
             RETURN_IF_ERROR(
-                view.ReadTensor(node.group, shard, within, n, next, checks));
+                view.ReadTensor(node.group, shard, within, n, next, unchanged));
             next += n;
             return true;
           })

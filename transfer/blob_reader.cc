@@ -11,7 +11,6 @@
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
-#include "transfer/chunk_buffers.h"
 #include "transfer/mapping_guard.h"
 
 namespace scalai {
@@ -21,16 +20,6 @@ int64_t MtimeNs(const struct stat& st) {
   return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 +
          st.st_mtim.tv_nsec;
 }
-
-// The chunks read past the page cache, for every blob of the process. 32
-// MiB: eight readers, each with a few requests in flight that touch two
-// chunks apiece, find the chunk the request before them read.
-ChunkBuffers& UncachedChunks() {
-  static ChunkBuffers* buffers = new ChunkBuffers(32, kBlobChunkBytes);
-  return *buffers;
-}
-
-std::atomic<uint64_t> next_blob_id{1};
 
 }  // namespace
 
@@ -42,7 +31,6 @@ std::shared_ptr<const BlobReader> BlobReader::Open(const Store& store,
 std::shared_ptr<const BlobReader> BlobReader::Open(
     std::string path, std::string name, absl::StatusOr<BlobRecord> record) {
   std::shared_ptr<BlobReader> blob(new BlobReader());
-  blob->id_ = next_blob_id.fetch_add(1, std::memory_order_relaxed);
   blob->name_ = std::move(name);
   blob->path_ = std::move(path);
   if (!record.ok()) {
@@ -87,9 +75,9 @@ std::string BlobReader::Where() const {
   return absl::StrCat("blob ", name_, " of step ", record_.step);
 }
 
-absl::StatusOr<UniqueFd> BlobReader::OpenFd(int flags) const {
+absl::StatusOr<UniqueFd> BlobReader::OpenFd() const {
   if (!damage_.ok()) return damage_;
-  ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path_, O_RDONLY | flags));
+  ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path_, O_RDONLY));
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return ErrnoError(errno, "stat", path_);
   if (st.st_dev != dev_ || st.st_ino != ino_) {
@@ -248,98 +236,18 @@ absl::Status BlobReader::Read(char* out, int64_t length, int64_t offset) const {
   return absl::OkStatus();
 }
 
-absl::Status BlobReader::Copy(char* out, int64_t offset, int64_t length,
-                              ReadChecks& checks) const {
-  RETURN_IF_ERROR(checks.Unchanged(*this));
-  if (length <= 0) return absl::OkStatus();
-  if (chunk_bytes_ != kBlobChunkBytes || offset < 0 ||
-      offset + length > record_.size) {
-    // A whole-blob sum (an older record), or a range past the end, which
-    // VerifyChunks names.
-    RETURN_IF_ERROR(VerifyChunks(offset, length));
-    if (!ReadMapped([&] { std::memcpy(out, map_.data() + offset, length); })) {
-      return CutShort();
-    }
-    return absl::OkStatus();
-  }
-  const int64_t end = offset + length;
-  for (int64_t c = offset / kBlobChunkBytes; c * kBlobChunkBytes < end; ++c) {
-    const int64_t chunk_begin = c * kBlobChunkBytes;
-    const int64_t from = std::max(offset, chunk_begin);
-    const int64_t n = std::min(end, chunk_begin + kBlobChunkBytes) - from;
-    char* to = out + (from - offset);
-    if (checks.Cached(*this, c)) {
-      RETURN_IF_ERROR(VerifyChunk(c));
-      if (!ReadMapped([&] { std::memcpy(to, map_.data() + from, n); })) {
-        return CutShort();
-      }
-      continue;
-    }
-    RETURN_IF_ERROR(UncachedChunks().Copy(
-        {id_, c}, [&](char* buffer) { return LoadChunk(c, buffer); },
-        from - chunk_begin, n, to));
-  }
-  return absl::OkStatus();
-}
-
-bool BlobReader::ChunkCached(int64_t chunk) const {
-  const int64_t begin = chunk * chunk_bytes_;
-  return map_.Cached(begin, std::min(chunk_bytes_, record_.size - begin));
-}
-
-absl::Status BlobReader::LoadChunk(int64_t chunk, char* buffer) const {
-  const int64_t begin = chunk * kBlobChunkBytes;
-  const int64_t bytes = std::min(kBlobChunkBytes, record_.size - begin);
-  constexpr int64_t kAlign = ChunkBuffers::kAlignment;
-  int64_t done = 0;
-  if (absl::StatusOr<UniqueFd> fd = OpenFd(O_DIRECT); fd.ok()) {
-    // Whole blocks: the last chunk's read runs past the file's end, where
-    // the kernel stops it.
-    while (done < bytes && done % kAlign == 0) {
-      const int64_t want = (bytes - done + kAlign - 1) / kAlign * kAlign;
-      const ssize_t n = pread(fd->get(), buffer + done, want, begin + done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;
-      done += n;
-    }
-  }
-  if (done < bytes) {
-    // The rest through the mapping, and so the page cache: the blob's name
-    // is gone (a retired step still being read), its file system refuses
-    // O_DIRECT, or the file ends early, which faults (CutShort).
-    if (!ReadMapped([&] {
-          std::memcpy(buffer + done, map_.data() + begin + done, bytes - done);
-        })) {
-      return CutShort();
-    }
-  }
-  if (HashChunk(buffer, bytes) != sums_[chunk]) return ChunkMismatch(chunk);
-  MarkVerified(chunk);
-  return absl::OkStatus();
-}
-
 absl::Status BlobReader::CutShort() const {
   return absl::DataLossError(
       absl::StrCat(Where(), " was cut short while in use (run scalai fsck)"));
 }
 
-absl::Status ReadChecks::Unchanged(const BlobReader& blob) {
-  if (std::find(unchanged_.begin(), unchanged_.end(), &blob) !=
-      unchanged_.end()) {
+absl::Status UnchangedBlobs::Check(const BlobReader& blob) {
+  if (std::find(checked_.begin(), checked_.end(), &blob) != checked_.end()) {
     return absl::OkStatus();
   }
   RETURN_IF_ERROR(blob.CheckUnchanged());
-  unchanged_.push_back(&blob);
+  checked_.push_back(&blob);
   return absl::OkStatus();
-}
-
-bool ReadChecks::Cached(const BlobReader& blob, int64_t chunk) {
-  for (const Chunk& c : chunks_) {
-    if (c.blob == &blob && c.chunk == chunk) return c.cached;
-  }
-  const bool cached = blob.ChunkCached(chunk);
-  chunks_.push_back({&blob, chunk, cached});
-  return cached;
 }
 
 }  // namespace scalai

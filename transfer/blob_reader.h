@@ -10,17 +10,9 @@
 // DataLoss error naming the blob, its step and the chunk, so one damaged blob
 // costs only the reads that touch it and wrong bytes are never handed out.
 //
-// Copy reads a chunk the page cache does not hold straight from the disk
-// (O_DIRECT) into a few buffers the process shares (chunk_buffers.h),
-// checking it as read: a read through the mount would otherwise cache the
-// bytes twice, as the blob's pages and as the mount file's, and filling a
-// page costs more than reading it from the disk on the machines measured
-// (docs/benchmarks.md).
-//
 //   std::shared_ptr<const BlobReader> blob = BlobReader::Open(store, name);
 //   RETURN_IF_ERROR(blob->Verify(offset, n));  // then blob->data() + offset
 //   RETURN_IF_ERROR(blob->Read(out, n, offset));
-//   RETURN_IF_ERROR(blob->Copy(out, offset, n, checks));
 #ifndef SCALAI_TRANSFER_BLOB_READER_H_
 #define SCALAI_TRANSFER_BLOB_READER_H_
 
@@ -41,8 +33,6 @@
 
 namespace scalai {
 
-class ReadChecks;
-
 class BlobReader {
  public:
   static std::shared_ptr<const BlobReader> Open(const Store& store,
@@ -60,10 +50,9 @@ class BlobReader {
   // The blob mapped; a range may be touched only after Verify accepted it,
   // and only inside ReadMapped (mapping_guard.h).
   const std::byte* data() const { return map_.data(); }
-  // The blob's file opened for reading (with `flags` besides O_RDONLY), for
-  // a copy that stays inside the kernel; fails if its name is gone or now
-  // names another file.
-  absl::StatusOr<UniqueFd> OpenFd(int flags = 0) const;
+  // The blob's file opened for reading, for a copy that stays inside the
+  // kernel; fails if its name is gone or now names another file.
+  absl::StatusOr<UniqueFd> OpenFd() const;
 
   // Checks that bytes [offset, offset + length) are the bytes recorded:
   // the file is unchanged (CheckUnchanged), and each chunk they touch is
@@ -77,13 +66,6 @@ class BlobReader {
   absl::Status VerifyChunks(int64_t offset, int64_t length) const;
   // Verify, then copy the bytes out.
   absl::Status Read(char* out, int64_t length, int64_t offset) const;
-  // The same, for one operation of many reads (`checks`): each chunk the
-  // page cache holds is copied from the mapping, each other one read past
-  // the page cache and checked as read (see above).
-  absl::Status Copy(char* out, int64_t offset, int64_t length,
-                    ReadChecks& checks) const;
-  // Whether the page cache holds all of chunk `chunk`.
-  bool ChunkCached(int64_t chunk) const;
   // The error for a read of the mapping that faulted (ReadMapped): the file
   // was cut short while in use.
   absl::Status CutShort() const;
@@ -102,15 +84,11 @@ class BlobReader {
   bool IsVerified(int64_t chunk) const;
   void MarkVerified(int64_t chunk) const;
   absl::Status ChunkMismatch(int64_t chunk) const;
-  // Fills `buffer` with chunk `chunk` read past the page cache, and checks
-  // it against its sum.
-  absl::Status LoadChunk(int64_t chunk, char* buffer) const;
   // Exactly `bytes` at `offset`: with pread from `fd` when it is open (a
   // short file is damage), else from the mapping.
   absl::Status Fetch(int fd, char* out, int64_t bytes, int64_t offset) const;
   std::string Where() const;
 
-  uint64_t id_ = 0;  // unique in the process: names its chunks' buffers
   std::string name_;
   std::string path_;
   BlobRecord record_;
@@ -126,28 +104,19 @@ class BlobReader {
   mutable std::atomic<int64_t> mtime_ns_{0};
 };
 
-// What one operation (a read request, a blob being written) has found out
-// about the blobs it reads: which it has found unchanged, and which of
-// their chunks the page cache holds, so that it asks each once however many
-// pieces it reads (a tensor split along dim 1 is read a row at a time).
+// The blobs that one operation (a read request, a blob being written) has
+// found unchanged, so that it looks at each once however many pieces it
+// reads from it.
 //
-//   ReadChecks checks;
-//   RETURN_IF_ERROR(checks.Unchanged(blob));
+//   UnchangedBlobs unchanged;
+//   RETURN_IF_ERROR(unchanged.Check(blob));
 //   RETURN_IF_ERROR(blob.VerifyChunks(offset, n));
-class ReadChecks {
+class UnchangedBlobs {
  public:
-  absl::Status Unchanged(const BlobReader& blob);
-  bool Cached(const BlobReader& blob, int64_t chunk);
+  absl::Status Check(const BlobReader& blob);
 
  private:
-  struct Chunk {
-    const BlobReader* blob;
-    int64_t chunk;
-    bool cached;
-  };
-  // Few of each: a linear search is fastest.
-  std::vector<const BlobReader*> unchanged_;
-  std::vector<Chunk> chunks_;
+  std::vector<const BlobReader*> checked_;  // few: a linear search is fastest
 };
 
 }  // namespace scalai

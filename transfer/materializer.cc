@@ -193,7 +193,7 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
     ahead.emplace(*fetcher.remote, step, from.config().ToString(),
                   std::move(remote_pieces), kFetchDepth);
   }
-  ReadChecks checks;
+  UnchangedBlobs unchanged;
   for (const std::vector<Segment>& segments : sources) {
     RETURN_IF_ERROR(CheckCancel(cancel));
     int64_t since_check = 0;
@@ -214,7 +214,7 @@ absl::StatusOr<BlobRecord> WriteBlob(const std::string& path,
           RETURN_IF_ERROR(writer.AppendFromBlob(
               *t.blob, t.offset + seg.src_offset, seg.length));
         } else {
-          RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length, checks));
+          RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length, unchanged));
           // A fault leaves this blob half written; the materialization
           // fails and it is discarded.
           absl::Status appended;

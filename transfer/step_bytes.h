@@ -56,16 +56,11 @@ class StepBytes {
     absl::Status Verify(int64_t at, int64_t length) const {
       return blob->Verify(offset + at, length);
     }
-    // The same, once `checks` has looked at the blob in this operation.
-    absl::Status Verify(int64_t at, int64_t length, ReadChecks& checks) const {
-      if (absl::Status s = checks.Unchanged(*blob); !s.ok()) return s;
+    // The same, once `unchanged` has looked at the blob in this operation.
+    absl::Status Verify(int64_t at, int64_t length,
+                        UnchangedBlobs& unchanged) const {
+      if (absl::Status s = unchanged.Check(*blob); !s.ok()) return s;
       return blob->VerifyChunks(offset + at, length);
-    }
-    // Copies bytes [at, at + length) of the tensor out, verified
-    // (BlobReader::Copy).
-    absl::Status Copy(int64_t at, int64_t length, char* out,
-                      ReadChecks& checks) const {
-      return blob->Copy(out, offset + at, length, checks);
     }
   };
   // Only for a group it holds().

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
+#include "transfer/mapping_guard.h"
 
 namespace scalai {
 namespace {
@@ -58,34 +59,38 @@ absl::StatusOr<std::unique_ptr<StepView>> StepView::CreateRetained(
 
 absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
                                   int64_t length, char* out) const {
-  ReadChecks checks;
-  return ReadTensor(group, shard, offset, length, out, checks);
+  UnchangedBlobs unchanged;
+  return ReadTensor(group, shard, offset, length, out, unchanged);
 }
 
 absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
                                   int64_t length, char* out,
-                                  ReadChecks& checks) const {
+                                  UnchangedBlobs& unchanged) const {
   ShardRef same = plan_.in_place_source(group, shard);
   if (same.valid() && bytes_.holds(same.group)) {
-    return bytes_.tensor(same).Copy(offset, length, out, checks);
+    const StepBytes::Tensor& t = bytes_.tensor(same);
+    RETURN_IF_ERROR(t.Verify(offset, length, unchanged));
+    if (!ReadMapped([&] { std::memcpy(out, t.data + offset, length); })) {
+      return t.blob->CutShort();
+    }
+    return absl::OkStatus();
   }
   return ReadSegments(group, shard, offset, length, out, /*held_only=*/false,
-                      checks)
+                      unchanged)
       .status();
 }
 
 absl::StatusOr<int64_t> StepView::ReadHeldPrefix(int group, int shard,
                                                  int64_t offset, int64_t length,
                                                  char* out) const {
-  ReadChecks checks;
+  UnchangedBlobs unchanged;
   return ReadSegments(group, shard, offset, length, out, /*held_only=*/true,
-                      checks);
+                      unchanged);
 }
 
-absl::StatusOr<int64_t> StepView::ReadSegments(int group, int shard,
-                                               int64_t offset, int64_t length,
-                                               char* out, bool held_only,
-                                               ReadChecks& checks) const {
+absl::StatusOr<int64_t> StepView::ReadSegments(
+    int group, int shard, int64_t offset, int64_t length, char* out,
+    bool held_only, UnchangedBlobs& unchanged) const {
   ASSIGN_OR_RETURN(std::vector<Segment> segments,
                    plan_.Resolve(group, shard, offset, length));
   for (const Segment& seg : segments) {
@@ -93,13 +98,17 @@ absl::StatusOr<int64_t> StepView::ReadSegments(int group, int shard,
     if (!seg.src.valid()) {
       std::memset(dst, 0, seg.length);
     } else if (bytes_.holds(seg.src.group)) {
-      RETURN_IF_ERROR(
-          bytes_.tensor(seg.src).Copy(seg.src_offset, seg.length, dst, checks));
+      const StepBytes::Tensor& t = bytes_.tensor(seg.src);
+      RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length, unchanged));
+      if (!ReadMapped(
+              [&] { std::memcpy(dst, t.data + seg.src_offset, seg.length); })) {
+        return t.blob->CutShort();
+      }
     } else if (held_only) {
       return seg.dst_offset - offset;
     } else if (retained_ != nullptr) {
       absl::Status kept = retained_->ReadTensor(group, shard, seg.dst_offset,
-                                                seg.length, dst, checks);
+                                                seg.length, dst, unchanged);
       // Once every host has finished, the others may have let go of what
       // they kept before this one did: they hold the step as stored now.
       if (absl::IsUnavailable(kept)) kept = ReadRemote(seg, dst);

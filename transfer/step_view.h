@@ -49,7 +49,7 @@ class StepView {
   // The same for one of many reads that make up one operation (a request
   // spanning several tensors): each blob is looked at once for all of them.
   absl::Status ReadTensor(int group, int shard, int64_t offset, int64_t length,
-                          char* out, ReadChecks& checks) const;
+                          char* out, UnchangedBlobs& unchanged) const;
   // The same, but only as far as this host holds the bytes: reads the
   // longest such prefix and returns its length (what a peer serves).
   absl::StatusOr<int64_t> ReadHeldPrefix(int group, int shard, int64_t offset,
@@ -66,7 +66,7 @@ class StepView {
   absl::StatusOr<int64_t> ReadSegments(int group, int shard, int64_t offset,
                                        int64_t length, char* out,
                                        bool held_only,
-                                       ReadChecks& checks) const;
+                                       UnchangedBlobs& unchanged) const;
   // The segment's source bytes, from the peers (`remote_`, set).
   absl::Status ReadRemote(const Segment& seg, char* dst) const;
   int64_t step_;

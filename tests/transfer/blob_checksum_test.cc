@@ -1,7 +1,7 @@
 // Chunk sums and verified reads (issue 16): the hasher agrees with hashing
 // each chunk alone however the bytes are fed; a BlobReader hands out only
 // bytes that match their chunk sums and names the blob, step and chunk when
-// they do not, whether it reads them from the page cache or past it; a store's records without chunk sums get them at the next
+// they do not; a store's records without chunk sums get them at the next
 // writable open when the bytes still match; a file saved with rewrites gets
 // the sums of its final bytes.
 #include "transfer/blob_checksum.h"
@@ -121,37 +121,6 @@ class BlobReaderTest : public ::testing::Test {
     close(fd);
   }
 
-  // Writes the blob's pages out and drops them from the page cache, as a
-  // restart or memory pressure would.
-  void Evict(const std::string& name) {
-    const std::string path = store_->BlobPath(name);
-    int fd = open(path.c_str(), O_RDONLY);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(fdatasync(fd), 0);
-    ASSERT_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
-    close(fd);
-    ASSERT_EQ(CachedPages(name), 0)
-        << path << " stays in the page cache: this test needs a file "
-        << "system that drops pages (not tmpfs)";
-  }
-  // How many of the blob's pages the page cache holds.
-  int64_t CachedPages(const std::string& name) {
-    const std::string path = store_->BlobPath(name);
-    int fd = open(path.c_str(), O_RDONLY);
-    EXPECT_GE(fd, 0);
-    struct stat st;
-    EXPECT_EQ(fstat(fd, &st), 0);
-    auto map = MappedFile::Map(fd, st.st_size, path);
-    close(fd);
-    EXPECT_TRUE(map.ok()) << map.status();
-    const int64_t page = sysconf(_SC_PAGESIZE);
-    int64_t cached = 0;
-    for (int64_t at = 0; at < st.st_size; at += page) {
-      cached += map->Cached(at, 1) ? 1 : 0;
-    }
-    return cached;
-  }
-
   fs::path dir_;
   std::unique_ptr<Store> store_;
 };
@@ -215,61 +184,6 @@ TEST_F(BlobReaderTest, ReadIntoVerifiesWhatItHandsOut) {
   // The chunks before it were handed out; nothing of chunk 3 was.
   EXPECT_EQ(out, bytes.substr(0, 3 * kBlobChunkBytes));
   EXPECT_FALSE(read_into(*fresh, bytes.size() - 5, 10, out).ok());
-}
-
-// The mount's path: bytes the page cache does not hold are read past it,
-// so that a read through the mount caches them once (as the mount's file),
-// and are checked as read; bytes it holds are copied from the mapping.
-TEST_F(BlobReaderTest, CopyReadsWhatIsNotCachedPastThePageCache) {
-  std::mt19937_64 rng(9);
-  const std::string bytes = RandomBytes(rng, 3 * kBlobChunkBytes + 5000);
-  const std::string name = AddBlob(bytes);
-  Evict(name);
-  auto blob = BlobReader::Open(*store_, name);
-  std::string out(bytes.size(), '\0');
-  for (int i = 0; i < 40; ++i) {
-    const int64_t offset = rng() % bytes.size();
-    const int64_t n = 1 + rng() % (bytes.size() - offset);
-    ReadChecks checks;
-    ASSERT_TRUE(blob->Copy(out.data(), offset, n, checks).ok());
-    ASSERT_EQ(out.substr(0, n), bytes.substr(offset, n)) << offset;
-  }
-  EXPECT_EQ(CachedPages(name), 0);
-
-  // Cached now: copied from the mapping, the same bytes.
-  ASSERT_TRUE(ReadChunks(store_->BlobPath(name), [](const char*, int64_t) {
-                return absl::OkStatus();
-              }).ok());
-  EXPECT_GT(CachedPages(name), 0);
-  ReadChecks checks;
-  ASSERT_TRUE(blob->Copy(out.data(), 0, bytes.size(), checks).ok());
-  EXPECT_EQ(out, bytes);
-}
-
-TEST_F(BlobReaderTest, CopyPastThePageCacheNamesTheBadChunk) {
-  std::mt19937_64 rng(10);
-  const std::string bytes = RandomBytes(rng, 3 * kBlobChunkBytes + 77);
-  const std::string name = AddBlob(bytes);
-  Flip(name, kBlobChunkBytes + 3);
-  Evict(name);
-  auto blob = BlobReader::Open(*store_, name);
-  std::string out(bytes.size(), '\0');
-  ReadChecks checks;
-  absl::Status s = blob->Copy(out.data(), 10, 2 * kBlobChunkBytes, checks);
-  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(s.message(), HasSubstr(name));
-  EXPECT_THAT(s.message(), HasSubstr("chunk 1"));
-  // The chunks around it are still served; chunk 1 never is, cached or not.
-  ASSERT_TRUE(blob->Copy(out.data(), 0, kBlobChunkBytes, checks).ok());
-  EXPECT_EQ(out.substr(0, kBlobChunkBytes), bytes.substr(0, kBlobChunkBytes));
-  ASSERT_TRUE(blob->Copy(out.data(), 2 * kBlobChunkBytes, 100, checks).ok());
-  EXPECT_EQ(out.substr(0, 100), bytes.substr(2 * kBlobChunkBytes, 100));
-  EXPECT_FALSE(blob->Copy(out.data(), kBlobChunkBytes + 1, 1, checks).ok());
-  ASSERT_TRUE(ReadChunks(store_->BlobPath(name), [](const char*, int64_t) {
-                return absl::OkStatus();
-              }).ok());
-  ReadChecks again;
-  EXPECT_FALSE(blob->Copy(out.data(), kBlobChunkBytes, 1, again).ok());
 }
 
 TEST_F(BlobReaderTest, TruncatedMissingAndUnrecordedBlobsFailEachRead) {
