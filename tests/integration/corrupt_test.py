@@ -81,6 +81,18 @@ def drop_caches():
         f.write("3\n")
 
 
+def expect_rank_1_damaged(mnt, blob, rank_0, kind):
+    """The intact rank 0 reads exactly (`rank_0`, its tensors); rank 1,
+    whose `blob` has damage of `kind`, fails with EIO, named in status."""
+    step = f"{mnt}/ckpt/latest"
+    assert tensors(f"{step}/rank-00000/model.safetensors") == rank_0, kind
+    assert read_errno(f"{step}/rank-00001/model.safetensors") == errno.EIO, kind
+    err = status(mnt)["error"] or ""
+    assert blob in err and "step 100" in err, (kind, err)
+    if kind == "flip":
+        assert "chunk" in err and "checksum" in err, err
+
+
 def damage(kind, path):
     size = os.path.getsize(path)
     if kind == "flip":
@@ -110,13 +122,7 @@ def main():
             os.makedirs(mnt)
             run("mount", store, mounts.add(mnt))
             step = f"{mnt}/ckpt/latest"
-            # The intact rank reads exactly; the damaged one fails, named.
-            assert tensors(f"{step}/rank-00000/model.safetensors") == want[0], kind
-            assert read_errno(f"{step}/rank-00001/model.safetensors") == errno.EIO, kind
-            err = status(mnt)["error"] or ""
-            assert blob in err and "step 100" in err, (kind, err)
-            if kind == "flip":
-                assert "chunk" in err and "checksum" in err, err
+            expect_rank_1_damaged(mnt, blob, want[0], kind)
             # A reconfiguration that must copy from it fails, naming it.
             p = run("reconfigure", mnt, "tp=1,pp=1,dp=1", "--wait", expect=1)
             assert blob in p.stderr, (kind, p.stderr)
@@ -145,16 +151,12 @@ def main():
         # the disk.
         store, mnt = f"{tmp}/cold", f"{tmp}/cold-mnt"
         shutil.copytree(pristine, store)
-        flipped = f"{store}/blobs/{blob_of_rank(store, 1)}"
-        flip(flipped, os.path.getsize(flipped) // 2)
+        blob = blob_of_rank(store, 1)
+        damage("flip", f"{store}/blobs/{blob}")
         os.makedirs(mnt)
         run("mount", store, mounts.add(mnt))
         drop_caches()
-        step = f"{mnt}/ckpt/latest"
-        assert tensors(f"{step}/rank-00000/model.safetensors") == want[0]
-        assert read_errno(f"{step}/rank-00001/model.safetensors") == errno.EIO
-        err = status(mnt)["error"] or ""
-        assert os.path.basename(flipped) in err and "chunk" in err, err
+        expect_rank_1_damaged(mnt, blob, want[0], "flip")
         run("umount", mnt)
         mounts.discard(mnt)
         print("cold: the intact rank exact, the flipped byte caught")
