@@ -123,7 +123,8 @@ absl::Status ClusterMember::Start() {
   RETURN_IF_ERROR(job_.SetHolding(
       {[this](const ParallelConfig& c) { return HeldGroups(c); },
        remote_.get()}));
-  if (absl::Status s = job_.ApplyAgreed(agreed.config); !s.ok()) {
+  if (absl::Status s = job_.ApplyAgreed(agreed.config, kv->mod_revision);
+      !s.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("host ", host_, " cannot serve the cluster's config ",
                      agreed.config.ToString(), ": ", s.message()));
@@ -282,7 +283,7 @@ void ClusterMember::Apply(const EtcdClient::KeyValue& kv) {
   }
   // A config this host cannot serve is reported in its status by the job;
   // the cluster's generation moves on all the same.
-  (void)job_.ApplyAgreed(agreed->config);
+  (void)job_.ApplyAgreed(agreed->config, kv.mod_revision);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (kv.mod_revision > seen_revision_) {
@@ -302,7 +303,7 @@ void ClusterMember::BeatNow() {
   wake_.notify_all();
 }
 
-absl::Status ClusterMember::Propose(const ParallelConfig& config) {
+absl::StatusOr<int64_t> ClusterMember::Propose(const ParallelConfig& config) {
   std::lock_guard<std::mutex> one_at_a_time(propose_mu_);
   int64_t revision = 0;
   int64_t generation = 0;
@@ -377,10 +378,14 @@ absl::Status ClusterMember::Propose(const ParallelConfig& config) {
                      now, ": write yours again if it is still wanted"));
   }
   std::lock_guard<std::mutex> lock(mu_);
-  seen_revision_ = std::max(seen_revision_, committed->revision);
-  generation_ = generation + 1;
-  agreed_ = config;
-  return absl::OkStatus();
+  // The watch may have seen this commit already, and a later one too: what
+  // it saw last stands.
+  if (committed->revision >= seen_revision_) {
+    seen_revision_ = committed->revision;
+    generation_ = generation + 1;
+    agreed_ = config;
+  }
+  return committed->revision;
 }
 
 void ClusterMember::Beat() {

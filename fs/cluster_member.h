@@ -80,8 +80,9 @@ class ClusterMember {
                 Options options);
   absl::Status Start();
   // The job's agreement: one etcd transaction, conditional on the config
-  // this host last saw, makes `config` the cluster's.
-  absl::Status Propose(const ParallelConfig& config);
+  // this host last saw, makes `config` the cluster's; returns the revision
+  // it was committed at.
+  absl::StatusOr<int64_t> Propose(const ParallelConfig& config);
   // A file of this host's mount under its current config, for a peer
   // (PeerServer's ReadFile).
   absl::StatusOr<int64_t> ReadFile(const std::string& path, int64_t offset,

@@ -138,14 +138,16 @@ void Job::SetStatusSection(std::string key, StatusSection section) {
 }
 
 absl::Status Job::Reconfigure(const ParallelConfig& config) {
-  return Change(config, /*agree=*/true);
+  return Change(config, std::nullopt);
 }
 
-absl::Status Job::ApplyAgreed(const ParallelConfig& config) {
-  return Change(config, /*agree=*/false);
+absl::Status Job::ApplyAgreed(const ParallelConfig& config, int64_t agreed_at) {
+  return Change(config, agreed_at);
 }
 
-absl::Status Job::Change(const ParallelConfig& config, bool agree) {
+absl::Status Job::Change(const ParallelConfig& config,
+                         std::optional<int64_t> agreed_at) {
+  const bool agree = !agreed_at.has_value();
   std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
   std::vector<std::string> names;
   OnSwitch on_switch;
@@ -156,6 +158,10 @@ absl::Status Job::Change(const ParallelConfig& config, bool agree) {
     std::unique_ptr<Tree> next;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (agreed_at.has_value()) {
+        if (*agreed_at < last_agreed_at_) return absl::OkStatus();  // stale
+        last_agreed_at_ = *agreed_at;
+      }
       if (config == current_->config()) {
         // The same config again retries a failed materialization (space
         // freed, a blob restored); otherwise it changes nothing.
@@ -178,8 +184,16 @@ absl::Status Job::Change(const ParallelConfig& config, bool agree) {
     }
     // The agreement may take a network round trip: the lock is not held,
     // so the mount keeps answering meanwhile.
-    if (agreement) RETURN_IF_ERROR(agreement(config));
+    if (agreement) {
+      ASSIGN_OR_RETURN(agreed_at, agreement(config));
+    }
     std::lock_guard<std::mutex> lock(mu_);
+    // Meanwhile a config agreed after this one may have been applied (the
+    // cluster's watch runs on its own thread): the newest stands.
+    if (agreed_at.has_value()) {
+      if (*agreed_at < last_agreed_at_) return absl::OkStatus();
+      last_agreed_at_ = *agreed_at;
+    }
     if (config == current_->config()) return absl::OkStatus();  // applied
     if (current_ != base) {
       // Meanwhile the catalog changed (a step published, a materialization
@@ -197,7 +211,15 @@ absl::Status Job::Change(const ParallelConfig& config, bool agree) {
   }();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    error_ = result.ok() ? "" : std::string(result.message());
+    if (!result.ok()) {
+      error_ = std::string(result.message());
+      if (!agree) agreed_refusal_ = error_;
+    } else if (agree || error_ == agreed_refusal_) {
+      // A config agreed elsewhere clears only what such a config set: a
+      // write here refused (another host's won the race) keeps saying why
+      // while the winner's config is applied.
+      error_.clear();
+    }
     if (switched) names = RootNamesLocked();
     on_switch = on_switch_;
   }

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "fs/save_area.h"
 #include "fs/tree.h"
@@ -44,8 +45,13 @@ class Job {
   using OnSwitch = std::function<void(std::vector<std::string> root_names)>;
   // Asked, without the lock held, to make a config that this store can serve
   // current wherever else it must be (the other hosts of a cluster); an
-  // error refuses the reconfiguration and changes nothing here.
-  using Agreement = std::function<absl::Status(const ParallelConfig&)>;
+  // error refuses the reconfiguration and changes nothing here. Returns
+  // where the config stands in the cluster's order of agreed configs (a
+  // number that grows with each, etcd's revision): configs agreed elsewhere
+  // arrive on other threads meanwhile, and the newest must win however
+  // their switches interleave.
+  using Agreement =
+      std::function<absl::StatusOr<int64_t>(const ParallelConfig&)>;
   // More of `status`, under the key it names; called with the job's lock
   // held, so it must not call the job.
   using StatusSection = std::function<nlohmann::json()>;
@@ -129,9 +135,12 @@ class Job {
   // materialization and otherwise changes nothing. On an error nothing
   // changed, and `status` says why.
   absl::Status Reconfigure(const ParallelConfig& config);
-  // The same for a config already agreed elsewhere (another host wrote it):
-  // no agreement is asked for.
-  absl::Status ApplyAgreed(const ParallelConfig& config);
+  // The same for a config already agreed elsewhere (another host wrote it),
+  // at `agreed_at` in the cluster's order (Agreement): no agreement is
+  // asked for. A config agreed before one already applied here changes
+  // nothing: it was superseded. Its success clears only an error that such
+  // a config set: a refused write's reason stays.
+  absl::Status ApplyAgreed(const ParallelConfig& config, int64_t agreed_at);
   // Commits a step whose every dp_rank 0 rank has a valid shard, applies the
   // retention, and switches to a tree that shows it (`latest` moves). With
   // a SaveAgreement, this host's part is recorded pending instead.
@@ -179,7 +188,10 @@ class Job {
   std::string StatusText();
 
  private:
-  absl::Status Change(const ParallelConfig& config, bool agree);
+  // Reconfigure (`agreed_at` unset: agreed here, when there is an
+  // agreement) and ApplyAgreed in one.
+  absl::Status Change(const ParallelConfig& config,
+                      std::optional<int64_t> agreed_at);
   void StartMaterializationLocked();  // requires mu_
   void Materialize(const ParallelConfig& target,
                    const std::atomic<bool>& cancel);
@@ -215,9 +227,15 @@ class Job {
   // Trees the kernel may still name inodes of, by generation; guarded by mu_.
   std::map<uint64_t, std::shared_ptr<const Tree>> trees_;
   std::string error_;  // guarded by mu_
+  // Why the last config agreed elsewhere could not be served here, if it
+  // could not; guarded by mu_.
+  std::string agreed_refusal_;
   // The hooks; guarded by mu_, and called on copies without it.
   OnSwitch on_switch_;
   Agreement agreement_;
+  // Where the newest config agreed and applied here stands in the
+  // cluster's order (Agreement); guarded by mu_.
+  int64_t last_agreed_at_ = 0;
   std::function<void(int64_t)> step_saved_;  // SaveAgreement::saved
   std::string status_key_;
   StatusSection status_section_;

@@ -78,7 +78,8 @@ class JobTest : public StoreFixture {
   // config agreed at once), saving rank 0 of each step; what it saves is
   // recorded pending and the cluster's agreement is left to the test.
   void JoinAsHostA(Job& job, const ParallelConfig& hosted) {
-    job.SetAgreement([](const ParallelConfig&) { return absl::OkStatus(); });
+    job.SetAgreement(
+        [](const ParallelConfig&) -> absl::StatusOr<int64_t> { return 1; });
     ASSERT_TRUE(job.Reconfigure(hosted).ok());
     ASSERT_TRUE(job.WaitMaterialized(absl::Seconds(60)));
     ASSERT_TRUE(job.SetSaveAgreement({[](const ParallelConfig&) {
@@ -193,10 +194,10 @@ TEST_F(JobTest, HostsAreRefusedWithoutAClusterAndAskedOfOneWithIt) {
   EXPECT_EQ(job->current()->generation(), 1u);
   // With an agreement, it is asked; its refusal changes nothing either.
   std::vector<std::string> asked;
-  job->SetAgreement([&](const ParallelConfig& c) {
+  job->SetAgreement([&](const ParallelConfig& c) -> absl::StatusOr<int64_t> {
     asked.push_back(c.ToString());
-    return c.hosts().size() == 2 ? absl::OkStatus()
-                                 : absl::FailedPreconditionError("no");
+    if (c.hosts().size() != 2) return absl::FailedPreconditionError("no");
+    return 1;
   });
   ASSERT_TRUE(job->Reconfigure(hosted).ok());
   EXPECT_EQ(job->current()->config(), hosted);
@@ -206,10 +207,46 @@ TEST_F(JobTest, HostsAreRefusedWithoutAClusterAndAskedOfOneWithIt) {
   EXPECT_EQ(job->current()->config(), hosted);
   EXPECT_EQ(asked, (std::vector<std::string>{"tp=2,pp=1,dp=2,hosts=h0+h1",
                                              "tp=2,pp=1,dp=3,hosts=a+b+c"}));
-  // A config agreed elsewhere is not asked about again.
-  ASSERT_TRUE(job->ApplyAgreed(*ParallelConfig::Parse("tp=1,pp=1,dp=1")).ok());
+  // A config agreed elsewhere is not asked about again, and leaves the
+  // refusal of this host's write in `status` (the writer still learns why).
+  ASSERT_TRUE(
+      job->ApplyAgreed(*ParallelConfig::Parse("tp=1,pp=1,dp=1"), 2).ok());
   EXPECT_EQ(asked.size(), 2u);
+  EXPECT_EQ(Status(*job)["error"], "no");
   ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+  // One this store cannot serve (tp=3 does not divide 4 heads) says why,
+  // until a config agreed after it is served.
+  EXPECT_FALSE(
+      job->ApplyAgreed(*ParallelConfig::Parse("tp=3,pp=1,dp=1"), 3).ok());
+  EXPECT_NE(Status(*job)["error"], "no");
+  EXPECT_FALSE(Status(*job)["error"].is_null());
+  ASSERT_TRUE(
+      job->ApplyAgreed(*ParallelConfig::Parse("tp=2,pp=1,dp=1"), 4).ok());
+  EXPECT_TRUE(Status(*job)["error"].is_null());
+  ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+}
+
+// Two hosts write configs at once: this host's is agreed first, and the
+// other's, agreed after it, reaches this host (on the watch's thread)
+// before this host's agreement has returned. The later config stands; a
+// config agreed before it, arriving late, changes nothing.
+TEST_F(JobTest, AConfigAgreedLaterStandsHoweverTheSwitchesInterleave) {
+  std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
+  const ParallelConfig mine = *ParallelConfig::Parse("tp=1,pp=1,dp=2");
+  const ParallelConfig theirs = *ParallelConfig::Parse("tp=2,pp=1,dp=2");
+  job->SetAgreement([&](const ParallelConfig&) -> absl::StatusOr<int64_t> {
+    EXPECT_TRUE(job->ApplyAgreed(theirs, 11).ok());
+    return 10;  // this host's commit, before theirs
+  });
+  ASSERT_TRUE(job->Reconfigure(mine).ok());
+  EXPECT_EQ(job->current()->config().ToString(), theirs.ToString());
+  ASSERT_TRUE(job->ApplyAgreed(mine, 10).ok());
+  EXPECT_EQ(job->current()->config().ToString(), theirs.ToString());
+  const ParallelConfig next = *ParallelConfig::Parse("tp=1,pp=1,dp=1");
+  ASSERT_TRUE(job->ApplyAgreed(next, 12).ok());
+  EXPECT_EQ(job->current()->config().ToString(), next.ToString());
+  ASSERT_TRUE(job->WaitMaterialized(absl::Seconds(60)));
+  EXPECT_EQ(job->progress().config, next.ToString());
 }
 
 // On a host of a cluster a step's part saved here waits, pending and
@@ -218,7 +255,8 @@ TEST_F(JobTest, HostsAreRefusedWithoutAClusterAndAskedOfOneWithIt) {
 // refused.
 TEST_F(JobTest, AHostsPartOfAStepWaitsForTheCluster) {
   std::unique_ptr<Job> job = MakeJob("tp=2,pp=1,dp=1");
-  job->SetAgreement([](const ParallelConfig&) { return absl::OkStatus(); });
+  job->SetAgreement(
+      [](const ParallelConfig&) -> absl::StatusOr<int64_t> { return 1; });
   const ParallelConfig hosted =
       *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=a+b");
   ASSERT_TRUE(job->Reconfigure(hosted).ok());

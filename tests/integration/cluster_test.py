@@ -419,6 +419,11 @@ def racing(r, mnts, config):
         t.join()
     assert 0 in results.values(), results
     errors = said
+    # The refused writer's status says why, though the winner's config may
+    # have reached its host before it was read.
+    for h, why in said.items():
+        assert results[h] == errno.EINVAL, results
+        assert why and "another host changed the cluster's config meanwhile" in why, said
     # Whichever committed last is the cluster's config.
     deadline = deadline_in(60)
     while True:
