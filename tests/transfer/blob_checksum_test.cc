@@ -152,6 +152,36 @@ TEST_F(BlobReaderTest, ServesMatchingBytesAndNamesTheBadChunk) {
   EXPECT_FALSE(again->Verify(bytes.size() - 1, 2).ok());
 }
 
+// A chunk is read for its check with pread through the blob's name; once
+// the name is gone (a step retired while a reader has it open) the mapping
+// still serves the file, checked the same way.
+TEST_F(BlobReaderTest, ChunksAreCheckedThroughTheMappingOnceTheNameIsGone) {
+  std::mt19937_64 rng(3);
+  const std::string bytes = RandomBytes(rng, 3 * kBlobChunkBytes + 7);
+  const std::string name = AddBlob(bytes);
+  auto blob = BlobReader::Open(*store_, name);
+  const std::string path = store_->BlobPath(name);
+  const int fd = open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(unlink(path.c_str()), 0);
+  // Chunk 1 is damaged after the name went, through a descriptor opened
+  // before.
+  char c = 0;
+  ASSERT_EQ(pread(fd, &c, 1, kBlobChunkBytes + 9), 1);
+  c = static_cast<char>(c ^ 0x10);
+  ASSERT_EQ(pwrite(fd, &c, 1, kBlobChunkBytes + 9), 1);
+  close(fd);
+  std::string out(kBlobChunkBytes + 7, '\0');
+  ASSERT_TRUE(blob->Read(out.data(), kBlobChunkBytes, 0).ok());
+  EXPECT_TRUE(out.compare(0, kBlobChunkBytes, bytes, 0, kBlobChunkBytes) == 0);
+  absl::Status s = blob->Read(out.data(), 10, kBlobChunkBytes);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(), HasSubstr("chunk 1"));
+  ASSERT_TRUE(
+      blob->Read(out.data(), kBlobChunkBytes + 7, 2 * kBlobChunkBytes).ok());
+  EXPECT_TRUE(out == bytes.substr(2 * kBlobChunkBytes));
+}
+
 // The materializer's path: pread a chunk at a time, never the mapping.
 TEST_F(BlobReaderTest, ReadIntoVerifiesWhatItHandsOut) {
   std::mt19937_64 rng(5);
