@@ -133,12 +133,13 @@ absl::Status BlobReader::VerifyChunk(int64_t chunk) const {
   if (IsVerified(chunk)) return absl::OkStatus();
   const int64_t begin = chunk * chunk_bytes_;
   const int64_t bytes = std::min(chunk_bytes_, record_.size - begin);
-  if (chunk_bytes_ <= kBlobChunkBytes) {
-    // Read with pread into a buffer of this thread's, not through the
-    // mapping: from a cold page cache, faulting a chunk in through the
-    // mapping read the disk at about half the pace of reads (docs/
-    // benchmarks.md). The bytes land in the page cache all the same, and
-    // the copy out of the mapping that follows finds them there.
+  if (chunk_bytes_ <= kBlobChunkBytes && !map_.Cached(begin, bytes)) {
+    // A chunk the page cache lacks is read with pread into a buffer of this
+    // thread's, not faulted in through the mapping, which read the disk
+    // slower (docs/benchmarks.md). The bytes land in the page cache all the
+    // same, and the copy out of the mapping that follows finds them there.
+    // A cached chunk is hashed where it lies: a pread would copy it once
+    // more.
     if (absl::StatusOr<UniqueFd> fd = OpenFd(); fd.ok()) {
       thread_local const std::unique_ptr<char[]> buffer(
           new char[kBlobChunkBytes]);

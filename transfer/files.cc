@@ -89,6 +89,26 @@ void MappedFile::Populate(int64_t offset, int64_t length) const {
 #endif
 }
 
+bool MappedFile::Cached(int64_t offset, int64_t length) const {
+  static const int64_t kPage = sysconf(_SC_PAGESIZE);
+  const int64_t begin = std::max<int64_t>(offset, 0) / kPage * kPage;
+  const int64_t end = std::min(offset + length, size_);
+  if (data_ == nullptr || end <= begin) return false;
+  const int64_t pages = (end - begin + kPage - 1) / kPage;
+  // A chunk's worth fits on the stack; longer ranges are asked in turns.
+  unsigned char resident[256];
+  for (int64_t at = 0; at < pages; at += 256) {
+    const int64_t n = std::min<int64_t>(256, pages - at);
+    if (mincore(data_ + begin + at * kPage, n * kPage, resident) != 0) {
+      return false;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if ((resident[i] & 1) == 0) return false;
+    }
+  }
+  return true;
+}
+
 MappedFile::~MappedFile() {
   if (data_ != nullptr) munmap(data_, size_);
 }

@@ -61,6 +61,10 @@ class MappedFile {
   // dearer than copying them in a VM. Best effort; failures are left to the
   // pass to find.
   void Populate(int64_t offset, int64_t length) const;
+  // Whether the page cache holds every page of bytes [offset, offset +
+  // length), as mincore(2) tells it; false when it cannot tell (it tells
+  // only a process that owns the file or may write to it).
+  bool Cached(int64_t offset, int64_t length) const;
 
  private:
   std::byte* data_ = nullptr;

@@ -152,6 +152,28 @@ TEST_F(BlobReaderTest, ServesMatchingBytesAndNamesTheBadChunk) {
   EXPECT_FALSE(again->Verify(bytes.size() - 1, 2).ok());
 }
 
+// A chunk the page cache lacks is read for its check with pread, not
+// through the mapping: damage on the disk is caught there too.
+TEST_F(BlobReaderTest, ChunksReadFromTheDiskAreChecked) {
+  std::mt19937_64 rng(9);
+  const std::string bytes = RandomBytes(rng, 2 * kBlobChunkBytes + 5);
+  const std::string name = AddBlob(bytes);
+  Flip(name, kBlobChunkBytes + 3);
+  // Out of the page cache: written back, then dropped.
+  const int fd = open(store_->BlobPath(name).c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(fdatasync(fd), 0);
+  ASSERT_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+  close(fd);
+  auto blob = BlobReader::Open(*store_, name);
+  std::string out(kBlobChunkBytes, '\0');
+  ASSERT_TRUE(blob->Read(out.data(), kBlobChunkBytes, 0).ok());
+  EXPECT_TRUE(out == bytes.substr(0, kBlobChunkBytes));
+  absl::Status s = blob->Read(out.data(), 10, kBlobChunkBytes + 100);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(), HasSubstr("chunk 1"));
+}
+
 // A chunk is read for its check with pread through the blob's name; once
 // the name is gone (a step retired while a reader has it open) the mapping
 // still serves the file, checked the same way.
