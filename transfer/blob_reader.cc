@@ -138,8 +138,6 @@ absl::Status BlobReader::VerifyChunk(int64_t chunk) const {
     // thread's, not faulted in through the mapping, which read the disk
     // slower (docs/benchmarks.md). The bytes land in the page cache all the
     // same, and the copy out of the mapping that follows finds them there.
-    // A cached chunk is hashed where it lies: a pread would copy it once
-    // more.
     if (absl::StatusOr<UniqueFd> fd = OpenFd(); fd.ok()) {
       thread_local const std::unique_ptr<char[]> buffer(
           new char[kBlobChunkBytes]);
@@ -152,8 +150,9 @@ absl::Status BlobReader::VerifyChunk(int64_t chunk) const {
       return absl::OkStatus();
     }
   }
-  // The name is gone (a step retired while in use): the mapping still
-  // holds the file.
+  // A cached chunk is hashed where it lies (a pread would copy it once
+  // more), and so is any chunk of a blob whose name is gone (a step retired
+  // while in use): the mapping still holds the file.
   uint64_t sum = 0;
   map_.Populate(begin, bytes);
   if (!ReadMapped([&] { sum = HashChunk(map_.data() + begin, bytes); })) {
