@@ -148,6 +148,13 @@ absl::Status Job::ApplyAgreed(const ParallelConfig& config, int64_t agreed_at) {
 absl::Status Job::Change(const ParallelConfig& config,
                          std::optional<int64_t> agreed_at) {
   const bool agree = !agreed_at.has_value();
+  // Whether a config agreed at `at` was superseded by one applied here;
+  // if not, it is the newest from now on. Requires mu_.
+  const auto superseded = [this](int64_t at) {
+    if (at < last_agreed_at_) return true;
+    last_agreed_at_ = at;
+    return false;
+  };
   std::vector<std::shared_ptr<const Tree>> retired;  // dropped unlocked
   std::vector<std::string> names;
   OnSwitch on_switch;
@@ -158,9 +165,8 @@ absl::Status Job::Change(const ParallelConfig& config,
     std::unique_ptr<Tree> next;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (agreed_at.has_value()) {
-        if (*agreed_at < last_agreed_at_) return absl::OkStatus();  // stale
-        last_agreed_at_ = *agreed_at;
+      if (agreed_at.has_value() && superseded(*agreed_at)) {
+        return absl::OkStatus();
       }
       if (config == current_->config()) {
         // The same config again retries a failed materialization (space
@@ -190,9 +196,8 @@ absl::Status Job::Change(const ParallelConfig& config,
     std::lock_guard<std::mutex> lock(mu_);
     // Meanwhile a config agreed after this one may have been applied (the
     // cluster's watch runs on its own thread): the newest stands.
-    if (agreed_at.has_value()) {
-      if (*agreed_at < last_agreed_at_) return absl::OkStatus();
-      last_agreed_at_ = *agreed_at;
+    if (agreed_at.has_value() && superseded(*agreed_at)) {
+      return absl::OkStatus();
     }
     if (config == current_->config()) return absl::OkStatus();  // applied
     if (current_ != base) {

@@ -141,11 +141,7 @@ absl::Status BlobReader::VerifyChunk(int64_t chunk) const {
     if (absl::StatusOr<UniqueFd> fd = OpenFd(); fd.ok()) {
       thread_local const std::unique_ptr<char[]> buffer(
           new char[kBlobChunkBytes]);
-      RETURN_IF_ERROR(Fetch(fd->get(), buffer.get(), bytes, begin));
-      if (HashChunk(buffer.get(), bytes) != sums_[chunk]) {
-        return ChunkMismatch(chunk);
-      }
-      MarkVerified(chunk);
+      RETURN_IF_ERROR(FetchChunk(fd->get(), chunk, buffer.get()));
       map_.Populate(begin, bytes);
       return absl::OkStatus();
     }
@@ -185,6 +181,15 @@ absl::Status BlobReader::Fetch(int fd, char* out, int64_t bytes,
   return absl::OkStatus();
 }
 
+absl::Status BlobReader::FetchChunk(int fd, int64_t chunk, char* buffer) const {
+  const int64_t begin = chunk * kBlobChunkBytes;
+  const int64_t bytes = std::min(kBlobChunkBytes, record_.size - begin);
+  RETURN_IF_ERROR(Fetch(fd, buffer, bytes, begin));
+  if (HashChunk(buffer, bytes) != sums_[chunk]) return ChunkMismatch(chunk);
+  MarkVerified(chunk);
+  return absl::OkStatus();
+}
+
 absl::Status BlobReader::ReadInto(int64_t offset, int64_t length, char* buffer,
                                   const Sink& sink) const {
   // pread where the file can be opened; the mapping where its name is gone.
@@ -216,11 +221,7 @@ absl::Status BlobReader::ReadInto(int64_t offset, int64_t length, char* buffer,
       RETURN_IF_ERROR(sink(buffer, to - from));
       continue;
     }
-    const int64_t chunk_bytes =
-        std::min(kBlobChunkBytes, record_.size - chunk_begin);
-    RETURN_IF_ERROR(Fetch(fd, buffer, chunk_bytes, chunk_begin));
-    if (HashChunk(buffer, chunk_bytes) != sums_[c]) return ChunkMismatch(c);
-    MarkVerified(c);
+    RETURN_IF_ERROR(FetchChunk(fd, c, buffer));
     RETURN_IF_ERROR(sink(buffer + (from - chunk_begin), to - from));
   }
   return absl::OkStatus();

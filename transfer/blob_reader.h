@@ -87,6 +87,9 @@ class BlobReader {
   // Exactly `bytes` at `offset`: with pread from `fd` when it is open (a
   // short file is damage), else from the mapping.
   absl::Status Fetch(int fd, char* out, int64_t bytes, int64_t offset) const;
+  // Chunk `chunk` (of kBlobChunkBytes) read whole into `buffer` with Fetch,
+  // checked against its sum and marked verified.
+  absl::Status FetchChunk(int fd, int64_t chunk, char* buffer) const;
   std::string Where() const;
 
   std::string name_;
