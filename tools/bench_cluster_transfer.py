@@ -18,7 +18,14 @@ It also prints the CPU time both mounts used per GB moved, read from
 compare two builds by.
 
 SCALAI_BENCH_DIR puts the stores elsewhere than /var/tmp (/dev/shm: no
-disk); SCALAI_BENCH_READS sets how many times the peer's rank is read."""
+disk); SCALAI_BENCH_READS sets how many times the peer's rank is read.
+
+SCALAI_BENCH_LINK=RATE (tc's units: 1gbit) gives each host a link of that
+rate each way (a token bucket on what it sends), for the swaps, the reads
+and iperf3 alike. Unshaped, the veth pairs run at memory speed and both
+"hosts" share this machine's cores and disk, so the swaps measure the disk;
+on a link slower than the disk they measure what the transfer makes of the
+network, as between hosts that each have their own."""
 import json
 import os
 import shutil
@@ -40,6 +47,7 @@ MODEL = os.environ.get("SCALAI_BENCH_MODEL",
 VOCAB = dict(kv.split("=") for kv in MODEL.split(","))["vocab"]
 SPLIT = ["tp=1,pp=2,dp=1,hosts=h0+h1", "tp=1,pp=2,dp=1,hosts=h1+h0"]
 MB = 1e6
+LINK = os.environ.get("SCALAI_BENCH_LINK")
 
 
 def cpu_seconds(pid):
@@ -122,6 +130,9 @@ def main():
                 time.sleep(0.05)
             write_config(mnts["h0"], SPLIT[0])
             wait(mnts, SPLIT[0], released=True)
+            if LINK:
+                for h in HOSTS:
+                    net.throttle(h, LINK, burst="8mbit", latency="50ms")
             # Reference 1: raw TCP both ways at once between the namespaces.
             server = net.spawn("h1", ["iperf3", "-s", "-1"], stdout=subprocess.DEVNULL)
             time.sleep(0.5)
@@ -183,7 +194,8 @@ def main():
             server.wait(10)
             one_way = json.loads(p.stdout)["end"]["sum_received"]["bits_per_second"] / 8
             print(f"model {MODEL} (bf16), {ROUNDS} swaps of {SPLIT[0]} <-> {SPLIT[1]}; "
-                  f"{moved / MB:.0f} MB cross the network per swap (both ways)")
+                  f"{moved / MB:.0f} MB cross the network per swap (both ways); "
+                  f"links {LINK + ' each way' if LINK else 'unshaped'}")
             print(f"materialization across hosts:  {rate / MB:7.0f} MB/s both ways together "
                   f"(median; {', '.join(f'{r / MB:.0f}' for r in rates)})")
             print(f"iperf3 --bidir, same hosts:    {tcp / MB:7.0f} MB/s both ways together "

@@ -73,14 +73,16 @@ class Network:
         """Cuts or restores `name`'s cable."""
         self.ip(self.ns[name], "link", "set", "eth0", "up" if up else "down")
 
-    def throttle(self, name, rate):
+    def throttle(self, name, rate, burst="32kbit", latency="400ms"):
         """Limits what `name` sends to `rate` (tc's units: "2mbit"), so that
-        a test can act while bytes are on their way; None lifts it."""
+        a test can act while bytes are on their way; None lifts it. A
+        link of gigabits needs a burst of a megabyte or so (tc's token
+        bucket refills on a timer) and a short queue (`latency`)."""
         if rate is None:
             sh("tc", "-n", self.ns[name], "qdisc", "del", "dev", "eth0", "root", check=False)
         else:
             sh("tc", "-n", self.ns[name], "qdisc", "replace", "dev", "eth0", "root", "tbf",
-               "rate", rate, "burst", "32kbit", "latency", "400ms")
+               "rate", rate, "burst", burst, "latency", latency)
 
     def close(self):
         for p in self.procs:
