@@ -14,11 +14,11 @@
 # since this VM's disk lags by seconds in write-back. CONFIG picks the
 # saved config among those whose saving ranks are ranks 0..3: the default,
 # or tp=2,pp=1,dp=2,fsdp=2 (a sharded step: each rank saves its chunks).
-# Run by hand:
+# SCALAI=path/to/scalai measures another build (a "before"). Run by hand:
 #   [CONFIG=tp=2,pp=1,dp=2,fsdp=2] tools/bench_save.sh [WORKDIR] [ROUNDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scalai=$PWD/build/tools/scalai
+scalai=${SCALAI:-$PWD/build/tools/scalai}
 [[ -x $scalai ]] || { echo "build first: meson setup build && meson compile -C build" >&2; exit 2; }
 work=${1:-$(mktemp -d /var/tmp/scalai-save-bench.XXXXXX)}
 rounds=${2:-3}
