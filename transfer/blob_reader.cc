@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
@@ -19,6 +20,13 @@ namespace {
 int64_t MtimeNs(const struct stat& st) {
   return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 +
          st.st_mtim.tv_nsec;
+}
+
+// A chunk's worth of this thread's, for chunks read from the disk to be
+// checked: a new buffer for each would pay for faulting in its pages.
+char* ChunkBuffer() {
+  thread_local const std::unique_ptr<char[]> buffer(new char[kBlobChunkBytes]);
+  return buffer.get();
 }
 
 }  // namespace
@@ -129,19 +137,23 @@ absl::Status BlobReader::ChunkMismatch(int64_t chunk) const {
                    ") does not match its checksum (run scalai fsck)"));
 }
 
+bool BlobReader::FetchFromDisk(int64_t chunk) const {
+  const int64_t begin = chunk * chunk_bytes_;
+  return !IsVerified(chunk) && chunk_bytes_ <= kBlobChunkBytes &&
+         !map_.Cached(begin, std::min(chunk_bytes_, record_.size - begin));
+}
+
 absl::Status BlobReader::VerifyChunk(int64_t chunk) const {
   if (IsVerified(chunk)) return absl::OkStatus();
   const int64_t begin = chunk * chunk_bytes_;
   const int64_t bytes = std::min(chunk_bytes_, record_.size - begin);
-  if (chunk_bytes_ <= kBlobChunkBytes && !map_.Cached(begin, bytes)) {
+  if (FetchFromDisk(chunk)) {
     // A chunk the page cache lacks is read with pread into a buffer of this
     // thread's, not faulted in through the mapping, which read the disk
     // slower (docs/benchmarks.md). The bytes land in the page cache all the
-    // same, and the copy out of the mapping that follows finds them there.
+    // same, and the caller's use of the mapping that follows finds them.
     if (absl::StatusOr<UniqueFd> fd = OpenFd(); fd.ok()) {
-      thread_local const std::unique_ptr<char[]> buffer(
-          new char[kBlobChunkBytes]);
-      RETURN_IF_ERROR(FetchChunk(fd->get(), chunk, buffer.get()));
+      RETURN_IF_ERROR(FetchChunk(fd->get(), chunk, ChunkBuffer()));
       map_.Populate(begin, bytes);
       return absl::OkStatus();
     }
@@ -249,10 +261,42 @@ absl::Status BlobReader::VerifyChunks(int64_t offset, int64_t length) const {
 }
 
 absl::Status BlobReader::Read(char* out, int64_t length, int64_t offset) const {
-  RETURN_IF_ERROR(Verify(offset, length));
-  if (length > 0 &&
-      !ReadMapped([&] { std::memcpy(out, map_.data() + offset, length); })) {
-    return CutShort();
+  if (length <= 0) return damage_;
+  RETURN_IF_ERROR(CheckUnchanged());
+  return ReadChunks(out, length, offset);
+}
+
+absl::Status BlobReader::ReadChunks(char* out, int64_t length,
+                                    int64_t offset) const {
+  if (!damage_.ok()) return damage_;
+  if (length <= 0) return absl::OkStatus();
+  if (offset < 0 || offset + length > record_.size) {
+    return VerifyChunks(offset, length);  // names the range past the end
+  }
+  // Opened at the first chunk that needs the disk, once for the call.
+  std::optional<absl::StatusOr<UniqueFd>> fd;
+  const int64_t end = offset + length;
+  for (int64_t c = offset / chunk_bytes_; c * chunk_bytes_ < end; ++c) {
+    const int64_t chunk_begin = c * chunk_bytes_;
+    const int64_t chunk_end =
+        std::min(chunk_begin + chunk_bytes_, record_.size);
+    const int64_t from = std::max(offset, chunk_begin);
+    const int64_t to = std::min(end, chunk_end);
+    char* const dst = out + (from - offset);
+    if (FetchFromDisk(c)) {
+      if (!fd) fd = OpenFd();
+      if (fd->ok()) {
+        const bool whole = from == chunk_begin && to == chunk_end;
+        char* const checked = whole ? dst : ChunkBuffer();
+        RETURN_IF_ERROR(FetchChunk((*fd)->get(), c, checked));
+        if (!whole) std::memcpy(dst, checked + (from - chunk_begin), to - from);
+        continue;
+      }
+    }
+    RETURN_IF_ERROR(VerifyChunk(c));
+    if (!ReadMapped([&] { std::memcpy(dst, map_.data() + from, to - from); })) {
+      return CutShort();
+    }
   }
   return absl::OkStatus();
 }

@@ -64,8 +64,15 @@ class BlobReader {
   // chunks were checked), then the chunks of each piece.
   absl::Status CheckUnchanged() const;
   absl::Status VerifyChunks(int64_t offset, int64_t length) const;
-  // Verify, then copy the bytes out.
+  // Verify, then copy the bytes out (ReadChunks).
   absl::Status Read(char* out, int64_t length, int64_t offset) const;
+  // The second half of Read, once CheckUnchanged has passed in this
+  // operation. A chunk first read from the disk is checked in the buffer it
+  // was read into and copied out from there, never faulted into the
+  // mapping: into `out` itself when the range covers the chunk whole, so
+  // that the disk's bytes are copied once. Chunks already verified, and
+  // chunks the page cache holds, are copied from the mapping.
+  absl::Status ReadChunks(char* out, int64_t length, int64_t offset) const;
   // The error for a read of the mapping that faulted (ReadMapped): the file
   // was cut short while in use.
   absl::Status CutShort() const;
@@ -81,6 +88,10 @@ class BlobReader {
  private:
   BlobReader() = default;
   absl::Status VerifyChunk(int64_t chunk) const;
+  // Whether chunk `chunk` is best read with pread, checked in a buffer: it
+  // is not verified, the page cache lacks it, and it is no longer than
+  // kBlobChunkBytes (FetchChunk).
+  bool FetchFromDisk(int64_t chunk) const;
   bool IsVerified(int64_t chunk) const;
   void MarkVerified(int64_t chunk) const;
   absl::Status ChunkMismatch(int64_t chunk) const;

@@ -62,6 +62,14 @@ class StepBytes {
       if (absl::Status s = unchanged.Check(*blob); !s.ok()) return s;
       return blob->VerifyChunks(offset + at, length);
     }
+    // Verify(at, length, unchanged), then the bytes copied to `out`; a
+    // chunk read from the disk to be checked is copied from where it was
+    // checked (BlobReader::ReadChunks).
+    absl::Status Read(int64_t at, int64_t length, char* out,
+                      UnchangedBlobs& unchanged) const {
+      if (absl::Status s = unchanged.Check(*blob); !s.ok()) return s;
+      return blob->ReadChunks(out, length, offset + at);
+    }
   };
   // Only for a group it holds().
   const Tensor& tensor(ShardRef ref) const {

@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
-#include "transfer/mapping_guard.h"
 
 namespace scalai {
 namespace {
@@ -69,11 +68,7 @@ absl::Status StepView::ReadTensor(int group, int shard, int64_t offset,
   ShardRef same = plan_.in_place_source(group, shard);
   if (same.valid() && bytes_.holds(same.group)) {
     const StepBytes::Tensor& t = bytes_.tensor(same);
-    RETURN_IF_ERROR(t.Verify(offset, length, unchanged));
-    if (!ReadMapped([&] { std::memcpy(out, t.data + offset, length); })) {
-      return t.blob->CutShort();
-    }
-    return absl::OkStatus();
+    return t.Read(offset, length, out, unchanged);
   }
   return ReadSegments(group, shard, offset, length, out, /*held_only=*/false,
                       unchanged)
@@ -99,11 +94,7 @@ absl::StatusOr<int64_t> StepView::ReadSegments(
       std::memset(dst, 0, seg.length);
     } else if (bytes_.holds(seg.src.group)) {
       const StepBytes::Tensor& t = bytes_.tensor(seg.src);
-      RETURN_IF_ERROR(t.Verify(seg.src_offset, seg.length, unchanged));
-      if (!ReadMapped(
-              [&] { std::memcpy(dst, t.data + seg.src_offset, seg.length); })) {
-        return t.blob->CutShort();
-      }
+      RETURN_IF_ERROR(t.Read(seg.src_offset, seg.length, dst, unchanged));
     } else if (held_only) {
       return seg.dst_offset - offset;
     } else if (retained_ != nullptr) {
