@@ -431,10 +431,10 @@ void OnRelease(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
 // than from the blob's own pages handed to it through a pipe (splice), and
 // the mount used 40% less CPU (docs/benchmarks.md).
 char* ReplyBuffer(size_t size) {
-  thread_local std::unique_ptr<char[]> buffer;
+  thread_local IoBuffer buffer;
   thread_local size_t capacity = 0;
   if (capacity < size) {
-    buffer.reset(new char[size]);
+    buffer = NewIoBuffer(size);
     capacity = size;
   }
   return buffer.get();

@@ -25,7 +25,7 @@ int64_t MtimeNs(const struct stat& st) {
 // A chunk's worth of this thread's, for chunks read from the disk to be
 // checked: a new buffer for each would pay for faulting in its pages.
 char* ChunkBuffer() {
-  thread_local const std::unique_ptr<char[]> buffer(new char[kBlobChunkBytes]);
+  thread_local const IoBuffer buffer = NewIoBuffer(kBlobChunkBytes);
   return buffer.get();
 }
 
@@ -193,11 +193,24 @@ absl::Status BlobReader::Fetch(int fd, char* out, int64_t bytes,
   return absl::OkStatus();
 }
 
-absl::Status BlobReader::FetchChunk(int fd, int64_t chunk, char* buffer) const {
+absl::Status BlobReader::FetchChunk(
+    int fd, int64_t chunk, char* buffer,
+    absl::FunctionRef<void(int64_t begin, int64_t end)> fresh) const {
+  // A quarter of a chunk at a time: the piece is hashed, and handed on,
+  // while the CPU's cache still holds it, not after a whole chunk has
+  // pushed its start out (the hash ran at a quarter of its speed).
+  constexpr int64_t kPiece = kBlobChunkBytes / 4;
+  thread_local ChunkHasher hasher;
+  hasher.Reset();
   const int64_t begin = chunk * kBlobChunkBytes;
-  const int64_t bytes = std::min(kBlobChunkBytes, record_.size - begin);
-  RETURN_IF_ERROR(Fetch(fd, buffer, bytes, begin));
-  if (HashChunk(buffer, bytes) != sums_[chunk]) return ChunkMismatch(chunk);
+  const int64_t end = std::min(begin + kBlobChunkBytes, record_.size);
+  for (int64_t at = begin; at < end; at += kPiece) {
+    const int64_t n = std::min(kPiece, end - at);
+    RETURN_IF_ERROR(Fetch(fd, buffer + (at - begin), n, at));
+    hasher.Update(buffer + (at - begin), n);
+    fresh(at, at + n);
+  }
+  if (hasher.Finish().front() != sums_[chunk]) return ChunkMismatch(chunk);
   MarkVerified(chunk);
   return absl::OkStatus();
 }
@@ -286,10 +299,21 @@ absl::Status BlobReader::ReadChunks(char* out, int64_t length,
     if (FetchFromDisk(c)) {
       if (!fd) fd = OpenFd();
       if (fd->ok()) {
-        const bool whole = from == chunk_begin && to == chunk_end;
-        char* const checked = whole ? dst : ChunkBuffer();
-        RETURN_IF_ERROR(FetchChunk((*fd)->get(), c, checked));
-        if (!whole) std::memcpy(dst, checked + (from - chunk_begin), to - from);
+        if (from == chunk_begin && to == chunk_end && IoAligned(dst)) {
+          RETURN_IF_ERROR(FetchChunk((*fd)->get(), c, dst));
+          continue;
+        }
+        char* const checked = ChunkBuffer();
+        RETURN_IF_ERROR(
+            FetchChunk((*fd)->get(), c, checked,
+                       [&](int64_t piece_begin, int64_t piece_end) {
+                         const int64_t lo = std::max(piece_begin, from);
+                         const int64_t hi = std::min(piece_end, to);
+                         if (lo < hi) {
+                           std::memcpy(dst + (lo - from),
+                                       checked + (lo - chunk_begin), hi - lo);
+                         }
+                       }));
         continue;
       }
     }

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "transfer/files.h"
@@ -99,8 +100,15 @@ class BlobReader {
   // short file is damage), else from the mapping.
   absl::Status Fetch(int fd, char* out, int64_t bytes, int64_t offset) const;
   // Chunk `chunk` (of kBlobChunkBytes) read whole into `buffer` with Fetch,
-  // checked against its sum and marked verified.
-  absl::Status FetchChunk(int fd, int64_t chunk, char* buffer) const;
+  // checked against its sum and marked verified. It is read and hashed a
+  // piece at a time, and `fresh` is called with the blob's bytes [begin,
+  // end) of each piece just hashed, while they are still in the CPU's cache
+  // (they may yet turn out damaged: the caller hands nothing out until this
+  // returns OK).
+  absl::Status FetchChunk(
+      int fd, int64_t chunk, char* buffer,
+      absl::FunctionRef<void(int64_t begin, int64_t end)> fresh =
+          [](int64_t, int64_t) {}) const;
   std::string Where() const;
 
   std::string name_;

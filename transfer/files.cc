@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <new>
 #include <sstream>
 #include <vector>
 
@@ -127,6 +129,16 @@ absl::Status WriteAll(int fd, const void* data, int64_t size,
   return absl::OkStatus();
 }
 
+void FreeIoBuffer::operator()(char* p) const { std::free(p); }
+
+IoBuffer NewIoBuffer(size_t bytes) {
+  constexpr size_t kPage = 4096;
+  void* p = std::aligned_alloc(
+      kPage, (std::max<size_t>(bytes, 1) + kPage - 1) / kPage * kPage);
+  if (p == nullptr) throw std::bad_alloc();
+  return IoBuffer(static_cast<char*>(p));
+}
+
 absl::Status ReadChunks(
     const std::string& path,
     const std::function<absl::Status(const char*, int64_t)>& chunk) {
@@ -134,7 +146,7 @@ absl::Status ReadChunks(
   if (!fd.ok()) return fd.status();
   posix_fadvise(fd->get(), 0, 0, POSIX_FADV_SEQUENTIAL);
   constexpr size_t kChunk = 8 << 20;
-  std::unique_ptr<char[]> buffer(new char[kChunk]);
+  IoBuffer buffer = NewIoBuffer(kChunk);
   for (;;) {
     ssize_t n = read(fd->get(), buffer.get(), kChunk);
     if (n < 0 && errno == EINTR) continue;

@@ -63,7 +63,7 @@ class BlobWriter {
         foreground_(foreground),
         cancel_(cancel),
         window_(new char[kChunkBytes]),
-        source_(new char[kBlobChunkBytes]) {}
+        source_(NewIoBuffer(kBlobChunkBytes)) {}
 
   absl::Status Append(const char* data, int64_t n) {
     if (n >= kChunkBytes) {
@@ -134,7 +134,7 @@ class BlobWriter {
   const ForegroundReads* foreground_;
   const std::atomic<bool>* cancel_;
   std::unique_ptr<char[]> window_;
-  std::unique_ptr<char[]> source_;  // a source blob's chunk, for ReadInto
+  IoBuffer source_;  // a source blob's chunk, for ReadInto
   int64_t used_ = 0;
   int64_t written_ = 0;
   WriteBehind behind_{WriteBehind::Pages::kKeep};
