@@ -1,6 +1,7 @@
 // Plain-file plumbing for the store: an owning file descriptor, a read-only
-// mapping, whole-range reads and writes that retry short transfers, and the
-// errno translator. Every error names the path.
+// mapping, page-aligned buffers to read into, whole-range reads and writes
+// that retry short transfers, and the errno translator. Every error names
+// the path.
 //
 //   ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path, O_RDONLY));
 //   ASSIGN_OR_RETURN(MappedFile map, MappedFile::Open(path));
@@ -43,10 +44,9 @@ absl::StatusOr<UniqueFd> OpenFile(const std::string& path, int flags,
                                   int mode = 0600);
 
 // A buffer for the kernel to read file bytes into, aligned to a page. On
-// this project's machines (AMD EPYC) the kernel's copy into a buffer that
-// starts 16 bytes past a cache line, as malloc's large blocks do, ran at a
-// fifth of its speed: 2.5 GB/s against 12 from the page cache
-// (docs/benchmarks.md).
+// this project's machines (AMD EPYC) the kernel's copy from the page cache
+// into a buffer that starts 16 bytes past a page, as malloc's large blocks
+// do, ran at a fifth of its speed: 2.6 GB/s against 12 (docs/benchmarks.md).
 struct FreeIoBuffer {
   void operator()(char* p) const;
 };
