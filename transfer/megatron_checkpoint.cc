@@ -435,8 +435,9 @@ absl::Status StreamMegatronShard(
   const std::string head = rank.header.Serialize();
   RETURN_IF_ERROR(sink(head.data(), head.size()));
   ASSIGN_OR_RETURN(auto archive, TorchArchive::Open(rank.path, rank.label));
-  // One buffer for every storage, grown as needed and never filled.
-  std::unique_ptr<char[]> storage;
+  // One buffer for every storage, grown as needed and never filled;
+  // page-aligned, as the archive's records are read into it (IoBuffer).
+  IoBuffer storage;
   int64_t capacity = 0;
   std::string key, out;
   for (const MegatronTensor& t : rank.tensors) {
@@ -446,7 +447,7 @@ absl::Status StreamMegatronShard(
       key = t.tensor.storage_key;
       if (storage_bytes > capacity) {
         capacity = std::max(storage_bytes, capacity * 2);
-        storage.reset(new char[capacity]);
+        storage = NewIoBuffer(capacity);
       }
       RETURN_IF_ERROR(
           archive->ReadStorageInto(key, storage_bytes, storage.get()));
