@@ -6,12 +6,12 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
+#include "transfer/copy_bytes.h"
 #include "transfer/mapping_guard.h"
 
 namespace scalai {
@@ -174,7 +174,7 @@ absl::Status BlobReader::VerifyChunk(int64_t chunk) const {
 absl::Status BlobReader::Fetch(int fd, char* out, int64_t bytes,
                                int64_t offset) const {
   if (fd < 0) {
-    if (!ReadMapped([&] { std::memcpy(out, map_.data() + offset, bytes); })) {
+    if (!ReadMapped([&] { CopyBytes(out, map_.data() + offset, bytes); })) {
       return CutShort();
     }
     return absl::OkStatus();
@@ -310,15 +310,15 @@ absl::Status BlobReader::ReadChunks(char* out, int64_t length,
                          const int64_t lo = std::max(piece_begin, from);
                          const int64_t hi = std::min(piece_end, to);
                          if (lo < hi) {
-                           std::memcpy(dst + (lo - from),
-                                       checked + (lo - chunk_begin), hi - lo);
+                           CopyBytes(dst + (lo - from),
+                                     checked + (lo - chunk_begin), hi - lo);
                          }
                        }));
         continue;
       }
     }
     RETURN_IF_ERROR(VerifyChunk(c));
-    if (!ReadMapped([&] { std::memcpy(dst, map_.data() + from, to - from); })) {
+    if (!ReadMapped([&] { CopyBytes(dst, map_.data() + from, to - from); })) {
       return CutShort();
     }
   }

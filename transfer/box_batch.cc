@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "transfer/copy_bytes.h"
 
 namespace scalai {
 namespace {
@@ -158,7 +159,7 @@ void CopyBatchOnHost(const BoxBatch& batch) {
       if (r.src == nullptr) {
         std::memset(r.dst + t, 0, r.run_bytes);
       } else {
-        std::memcpy(r.dst + t, r.src + s, r.run_bytes);
+        CopyBytes(r.dst + t, r.src + s, r.run_bytes);
       }
     }
   }

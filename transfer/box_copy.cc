@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "transfer/copy_bytes.h"
+
 namespace scalai {
 namespace {
 
@@ -50,10 +52,9 @@ void ForEachRun(const Shape& src_shape, const Shape& src_origin,
 void CopyBox(const std::byte* src, const Shape& src_shape,
              const Shape& src_origin, std::byte* dst, const Shape& dst_shape,
              const Shape& dst_origin, const Shape& box_shape, int elem_bytes) {
-  ForEachRun(src_shape, src_origin, dst_shape, dst_origin, box_shape,
-             elem_bytes, [&](int64_t s, int64_t t, int64_t n) {
-               std::memcpy(dst + t, src + s, n);
-             });
+  ForEachRun(
+      src_shape, src_origin, dst_shape, dst_origin, box_shape, elem_bytes,
+      [&](int64_t s, int64_t t, int64_t n) { CopyBytes(dst + t, src + s, n); });
 }
 
 void ZeroBox(std::byte* dst, const Shape& dst_shape, const Shape& dst_origin,

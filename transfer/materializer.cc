@@ -16,6 +16,7 @@
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
+#include "transfer/copy_bytes.h"
 #include "transfer/fetch_ahead.h"
 #include "transfer/mapping_guard.h"
 #include "transfer/step_view.h"
@@ -74,7 +75,7 @@ class BlobWriter {
       return absl::OkStatus();
     }
     if (used_ + n > kChunkBytes) RETURN_IF_ERROR(Flush());
-    std::memcpy(window_.get() + used_, data, n);
+    CopyBytes(window_.get() + used_, data, n);
     used_ += n;
     return absl::OkStatus();
   }
