@@ -1,11 +1,11 @@
 #include "transfer/peer_bytes.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "ptc/status_macros.h"
+#include "transfer/copy_bytes.h"
 
 namespace scalai {
 
@@ -123,8 +123,8 @@ absl::Status PeerBytes::ReadExact(int64_t step, const std::string& config,
       for (const std::shared_ptr<Block>& block : blocks_) {
         if (block->key != key) continue;
         if (block->done && block->status.ok()) {
-          std::memcpy(out + (at - offset),
-                      block->bytes.get() + (at - block->begin), end - at);
+          CopyBytes(out + (at - offset),
+                    block->bytes.get() + (at - block->begin), end - at);
           cached = true;
           bytes_reused_.fetch_add(end - at);
         }
@@ -172,8 +172,7 @@ absl::Status PeerBytes::Read(int64_t step, const std::string& config,
     RETURN_IF_ERROR(Await(block));
     const int64_t n =
         std::min(block->begin + block->size, offset + length) - at;
-    std::memcpy(out + (at - offset), block->bytes.get() + (at - block->begin),
-                n);
+    CopyBytes(out + (at - offset), block->bytes.get() + (at - block->begin), n);
     at += n;
   }
   return absl::OkStatus();

@@ -3,7 +3,6 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
-#include <cstring>
 #include <iterator>
 #include <optional>
 #include <utility>
@@ -12,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
+#include "transfer/copy_bytes.h"
 #include "transfer/peer.grpc.pb.h"
 #include "transfer/peer_call.h"
 
@@ -78,7 +78,7 @@ class SliceCursor {
       if (index_ == slices_.size()) return false;
       const size_t take = std::min<uint64_t>(n, slices_[index_].size() - at_);
       if (out != nullptr) {
-        std::memcpy(out, slices_[index_].begin() + at_, take);
+        CopyBytes(out, slices_[index_].begin() + at_, take);
         out += take;
       }
       at_ += take;
