@@ -44,15 +44,18 @@ absl::StatusOr<UniqueFd> OpenFile(const std::string& path, int flags,
                                   int mode = 0600);
 
 // A buffer for the kernel to read file bytes into, aligned to a page. On
-// this project's machines (AMD EPYC) the kernel's copy from the page cache
-// into a buffer that starts 16 bytes past a page, as malloc's large blocks
-// do, ran at a fifth of its speed: 2.6 GB/s against 12 (docs/benchmarks.md).
+// this project's machines (AMD EPYC) a copy whose destination lies 1 to 31
+// bytes past its source within a page runs at a fraction of its speed, the
+// kernel's `rep movsb` as much as glibc's (copy_bytes.h): a read of whole
+// pages into a buffer that starts 16 bytes past a page, as malloc's large
+// blocks do, ran at 2.6 GB/s against 12 (docs/benchmarks.md).
 struct FreeIoBuffer {
   void operator()(char* p) const;
 };
 using IoBuffer = std::unique_ptr<char[], FreeIoBuffer>;
 IoBuffer NewIoBuffer(size_t bytes);
-// Whether the kernel copies into `p` at full speed (a cache line's start).
+// Whether the kernel copies whole pages into `p` at full speed: a cache
+// line's start is never 1 to 63 bytes past a page's.
 inline bool IoAligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 64 == 0;
 }
