@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <optional>
+#include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
@@ -41,6 +43,7 @@ std::shared_ptr<const BlobReader> BlobReader::Open(
   std::shared_ptr<BlobReader> blob(new BlobReader());
   blob->name_ = std::move(name);
   blob->path_ = std::move(path);
+  blob->hold_id_ = ChunkHold::NewBlobId();
   if (!record.ok()) {
     blob->damage_ = record.status();
     return blob;
@@ -83,9 +86,9 @@ std::string BlobReader::Where() const {
   return absl::StrCat("blob ", name_, " of step ", record_.step);
 }
 
-absl::StatusOr<UniqueFd> BlobReader::OpenFd() const {
+absl::StatusOr<UniqueFd> BlobReader::OpenFd(int flags) const {
   if (!damage_.ok()) return damage_;
-  ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path_, O_RDONLY));
+  ASSIGN_OR_RETURN(UniqueFd fd, OpenFile(path_, O_RDONLY | flags));
   struct stat st;
   if (fstat(fd.get(), &st) != 0) return ErrnoError(errno, "stat", path_);
   if (st.st_dev != dev_ || st.st_ino != ino_) {
@@ -113,8 +116,9 @@ absl::Status BlobReader::CheckUnchanged() const {
   const int64_t mtime = MtimeNs(st);
   if (mtime_ns_.exchange(mtime) != mtime) {
     // Written since it was verified (a store's blobs never are): every
-    // chunk is checked again.
+    // chunk is checked again, and none held is served.
     for (size_t i = 0; i < (sums_.size() + 63) / 64; ++i) verified_[i] = 0;
+    hold_id_ = ChunkHold::NewBlobId();
   }
   return absl::OkStatus();
 }
@@ -196,6 +200,19 @@ absl::Status BlobReader::Fetch(int fd, char* out, int64_t bytes,
 absl::Status BlobReader::FetchChunk(
     int fd, int64_t chunk, char* buffer,
     absl::FunctionRef<void(int64_t begin, int64_t end)> fresh) const {
+  const int64_t begin = chunk * kBlobChunkBytes;
+  return CheckChunk(
+      chunk, buffer,
+      [&](int64_t at, int64_t n) {
+        return Fetch(fd, buffer + (at - begin), n, at);
+      },
+      fresh);
+}
+
+absl::Status BlobReader::CheckChunk(
+    int64_t chunk, char* buffer,
+    absl::FunctionRef<absl::Status(int64_t at, int64_t n)> fetch,
+    absl::FunctionRef<void(int64_t begin, int64_t end)> fresh) const {
   // A quarter of a chunk at a time: the piece is hashed, and handed on,
   // while the CPU's cache still holds it, not after a whole chunk has
   // pushed its start out (the hash ran at a quarter of its speed).
@@ -206,12 +223,116 @@ absl::Status BlobReader::FetchChunk(
   const int64_t end = std::min(begin + kBlobChunkBytes, record_.size);
   for (int64_t at = begin; at < end; at += kPiece) {
     const int64_t n = std::min(kPiece, end - at);
-    RETURN_IF_ERROR(Fetch(fd, buffer + (at - begin), n, at));
+    RETURN_IF_ERROR(fetch(at, n));
     hasher.Update(buffer + (at - begin), n);
     fresh(at, at + n);
   }
   if (hasher.Finish().front() != sums_[chunk]) return ChunkMismatch(chunk);
   MarkVerified(chunk);
+  return absl::OkStatus();
+}
+
+absl::Status BlobReader::FetchChunkAround(
+    int fd, int64_t chunk, char* buffer,
+    absl::FunctionRef<void(int64_t begin, int64_t end)> fresh) const {
+  // One read of the whole chunk: O_DIRECT has no read-ahead, and the bytes
+  // come from the device, not from a copy that would leave them in the
+  // CPU's cache. Its length is rounded up to whole pages, as O_DIRECT
+  // wants; at the end of the file it is simply shorter.
+  constexpr int64_t kPage = 4096;
+  const int64_t begin = chunk * kBlobChunkBytes;
+  const int64_t bytes = std::min(kBlobChunkBytes, record_.size - begin);
+  const int64_t rounded = (bytes + kPage - 1) / kPage * kPage;
+  for (int64_t done = 0; done < bytes;) {
+    ssize_t n = pread(fd, buffer + done, rounded - done, begin + done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EINVAL && (fcntl(fd, F_GETFL) & O_DIRECT)) {
+      // The filesystem takes O_DIRECT at open but not for this read: the
+      // rest through the page cache, and the blob's later reads too.
+      no_direct_ = true;
+      n = 0;
+    } else if (n < 0) {
+      return ErrnoError(errno, "read", path_);
+    } else if (n == 0) {
+      return absl::DataLossError(
+          absl::StrCat(Where(), " ends at byte ", begin + done,
+                       ", the catalog says ", record_.size));
+    }
+    done += n;
+    if (done < bytes && (done % kPage != 0 || n == 0)) {
+      // A read that stopped short of a page: the rest through the page
+      // cache (O_DIRECT wants reads to start on a page).
+      if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_DIRECT) != 0) {
+        return ErrnoError(errno, "read", path_);
+      }
+      RETURN_IF_ERROR(Fetch(fd, buffer + done, bytes - done, begin + done));
+      break;
+    }
+  }
+  return CheckChunk(
+      chunk, buffer, [](int64_t, int64_t) { return absl::OkStatus(); }, fresh);
+}
+
+absl::StatusOr<BlobReader::Held> BlobReader::ReadHeld(
+    std::optional<absl::StatusOr<UniqueFd>>& fd, const Part& part,
+    ChunkHold::Pin& pending) const {
+  const int64_t begin = part.chunk * kBlobChunkBytes;
+  const int64_t bytes = std::min(kBlobChunkBytes, record_.size - begin);
+  const ChunkHold::Key key{hold_id_.load(), part.chunk};
+  ChunkHold& hold = ChunkHold::Shared();
+  ChunkHold::Pin pin;
+  if (held_once_.load(std::memory_order_acquire)) pin = hold.Find(key);
+  if (!pin) {
+    if (IsVerified(part.chunk) || no_direct_ || hold.page_cache_shared() ||
+        map_.Cached(begin, bytes)) {
+      return Held::kNotHeld;
+    }
+    if (!fd) {
+      fd = OpenFd(O_DIRECT);
+      if (!fd->ok() && absl::IsInvalidArgument(fd->status())) {
+        // No O_DIRECT on this filesystem: its page cache it is.
+        no_direct_ = true;
+        fd = OpenFd();
+      }
+    }
+    if (!fd->ok()) return Held::kNotHeld;
+    held_once_.store(true, std::memory_order_release);
+    pin = hold.Acquire(key, bytes);
+    if (!pin) return Held::kNotHeld;
+  }
+  if (!pin.must_fill()) {
+    pending = std::move(pin);
+    return Held::kPending;
+  }
+  absl::Status filled = FetchChunkAround(
+      (*fd)->get(), part.chunk, pin.data(), [&](int64_t lo, int64_t hi) {
+        lo = std::max(lo, part.from);
+        hi = std::min(hi, part.to);
+        if (lo < hi) {
+          CopyBytes(part.dst + (lo - part.from), pin.data() + (lo - begin),
+                    hi - lo);
+        }
+      });
+  pin.Filled(filled);
+  RETURN_IF_ERROR(filled);
+  pin.Served(part.to - part.from);
+  return Held::kServed;
+}
+
+absl::Status BlobReader::FinishHeld(std::optional<absl::StatusOr<UniqueFd>>& fd,
+                                    const Part& part,
+                                    ChunkHold::Pin& pending) const {
+  pending.Wait();
+  if (!pending.status().ok()) {
+    // Damage is damage; any other failure of the read that filled it (one
+    // abandoned) leaves this read to try for itself.
+    if (absl::IsDataLoss(pending.status())) return pending.status();
+    return ReadCached(fd, part);
+  }
+  const int64_t begin = part.chunk * kBlobChunkBytes;
+  CopyBytes(part.dst, pending.data() + (part.from - begin),
+            part.to - part.from);
+  pending.Served(part.to - part.from);
   return absl::OkStatus();
 }
 
@@ -286,8 +407,15 @@ absl::Status BlobReader::ReadChunks(char* out, int64_t length,
   if (offset < 0 || offset + length > record_.size) {
     return VerifyChunks(offset, length);  // names the range past the end
   }
-  // Opened at the first chunk that needs the disk, once for the call.
+  // Opened at the first chunk that needs the disk, once for the call: for
+  // the hold (around the page cache where it can) and for pread.
+  std::optional<absl::StatusOr<UniqueFd>> around;
   std::optional<absl::StatusOr<UniqueFd>> fd;
+  // Parts of chunks that another read is filling are copied last, once this
+  // read has filled its own: a request's first chunk is its predecessor's
+  // last, and waiting for it first would queue every read behind the one
+  // before it, a chunk from the disk at a time.
+  absl::InlinedVector<std::pair<Part, ChunkHold::Pin>, 2> pending;
   const int64_t end = offset + length;
   for (int64_t c = offset / chunk_bytes_; c * chunk_bytes_ < end; ++c) {
     const int64_t chunk_begin = c * chunk_bytes_;
@@ -295,32 +423,53 @@ absl::Status BlobReader::ReadChunks(char* out, int64_t length,
         std::min(chunk_begin + chunk_bytes_, record_.size);
     const int64_t from = std::max(offset, chunk_begin);
     const int64_t to = std::min(end, chunk_end);
-    char* const dst = out + (from - offset);
-    if (FetchFromDisk(c)) {
-      if (!fd) fd = OpenFd();
-      if (fd->ok()) {
-        if (from == chunk_begin && to == chunk_end && IoAligned(dst)) {
-          RETURN_IF_ERROR(FetchChunk((*fd)->get(), c, dst));
-          continue;
-        }
-        char* const checked = ChunkBuffer();
-        RETURN_IF_ERROR(
-            FetchChunk((*fd)->get(), c, checked,
-                       [&](int64_t piece_begin, int64_t piece_end) {
-                         const int64_t lo = std::max(piece_begin, from);
-                         const int64_t hi = std::min(piece_end, to);
-                         if (lo < hi) {
-                           CopyBytes(dst + (lo - from),
-                                     checked + (lo - chunk_begin), hi - lo);
-                         }
-                       }));
+    const Part part{c, from, to, out + (from - offset)};
+    if (chunk_bytes_ <= kBlobChunkBytes) {
+      ChunkHold::Pin pin;
+      ASSIGN_OR_RETURN(const Held held, ReadHeld(around, part, pin));
+      if (held == Held::kServed) continue;
+      if (held == Held::kPending) {
+        pending.emplace_back(part, std::move(pin));
         continue;
       }
     }
-    RETURN_IF_ERROR(VerifyChunk(c));
-    if (!ReadMapped([&] { CopyBytes(dst, map_.data() + from, to - from); })) {
-      return CutShort();
+    RETURN_IF_ERROR(ReadCached(fd, part));
+  }
+  for (auto& [part, pin] : pending) {
+    RETURN_IF_ERROR(FinishHeld(fd, part, pin));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlobReader::ReadCached(std::optional<absl::StatusOr<UniqueFd>>& fd,
+                                    const Part& part) const {
+  const int64_t c = part.chunk;
+  const int64_t chunk_begin = c * chunk_bytes_;
+  const int64_t chunk_end = std::min(chunk_begin + chunk_bytes_, record_.size);
+  const int64_t from = part.from;
+  const int64_t to = part.to;
+  char* const dst = part.dst;
+  if (FetchFromDisk(c)) {
+    if (!fd) fd = OpenFd();
+    if (fd->ok()) {
+      if (from == chunk_begin && to == chunk_end && IoAligned(dst)) {
+        return FetchChunk((*fd)->get(), c, dst);
+      }
+      char* const checked = ChunkBuffer();
+      return FetchChunk((*fd)->get(), c, checked,
+                        [&](int64_t piece_begin, int64_t piece_end) {
+                          const int64_t lo = std::max(piece_begin, from);
+                          const int64_t hi = std::min(piece_end, to);
+                          if (lo < hi) {
+                            CopyBytes(dst + (lo - from),
+                                      checked + (lo - chunk_begin), hi - lo);
+                          }
+                        });
     }
+  }
+  RETURN_IF_ERROR(VerifyChunk(c));
+  if (!ReadMapped([&] { CopyBytes(dst, map_.data() + from, to - from); })) {
+    return CutShort();
   }
   return absl::OkStatus();
 }

@@ -23,12 +23,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "transfer/chunk_hold.h"
 #include "transfer/files.h"
 #include "transfer/store.h"
 
@@ -51,9 +53,10 @@ class BlobReader {
   // The blob mapped; a range may be touched only after Verify accepted it,
   // and only inside ReadMapped (mapping_guard.h).
   const std::byte* data() const { return map_.data(); }
-  // The blob's file opened for reading, for a copy that stays inside the
-  // kernel; fails if its name is gone or now names another file.
-  absl::StatusOr<UniqueFd> OpenFd() const;
+  // The blob's file opened for reading (with `flags` added to O_RDONLY),
+  // for a copy that stays inside the kernel; fails if its name is gone or
+  // now names another file.
+  absl::StatusOr<UniqueFd> OpenFd(int flags = 0) const;
 
   // Checks that bytes [offset, offset + length) are the bytes recorded:
   // the file is unchanged (CheckUnchanged), and each chunk they touch is
@@ -68,11 +71,15 @@ class BlobReader {
   // Verify, then copy the bytes out (ReadChunks).
   absl::Status Read(char* out, int64_t length, int64_t offset) const;
   // The second half of Read, once CheckUnchanged has passed in this
-  // operation. A chunk first read from the disk is checked in the buffer it
-  // was read into and copied out from there, never faulted into the
-  // mapping: into `out` itself when the range covers the chunk whole, so
-  // that the disk's bytes are copied once. Chunks already verified, and
-  // chunks the page cache holds, are copied from the mapping.
+  // operation. A chunk the page cache lacks is read from the disk around
+  // the cache (O_DIRECT) into a slot of the process's ChunkHold, checked
+  // there, and copied out from there, by this read and by the one that
+  // wants the chunk's other part: the disk's bytes land in memory once,
+  // with no page cache pages to fill and none to copy from. Where the
+  // filesystem refuses O_DIRECT, or every slot is in use, such a chunk is
+  // read with pread into a buffer and checked there instead (into `out`
+  // itself when the range covers the chunk whole). Chunks already verified,
+  // and chunks the page cache holds, are copied from the mapping.
   absl::Status ReadChunks(char* out, int64_t length, int64_t offset) const;
   // The error for a read of the mapping that faulted (ReadMapped): the file
   // was cut short while in use.
@@ -109,6 +116,48 @@ class BlobReader {
       int fd, int64_t chunk, char* buffer,
       absl::FunctionRef<void(int64_t begin, int64_t end)> fresh =
           [](int64_t, int64_t) {}) const;
+  // The core of FetchChunk: `fetch(at, n)` brings bytes [at, at + n) of the
+  // chunk into place in `buffer`, a piece at a time, each hashed and handed
+  // to `fresh` as it comes.
+  absl::Status CheckChunk(
+      int64_t chunk, char* buffer,
+      absl::FunctionRef<absl::Status(int64_t at, int64_t n)> fetch,
+      absl::FunctionRef<void(int64_t begin, int64_t end)> fresh) const;
+  // Chunk `chunk` read whole into `buffer` (kBlobChunkBytes, page-aligned)
+  // from `fd`, opened with O_DIRECT where the filesystem allows it, then
+  // checked as FetchChunk checks.
+  absl::Status FetchChunkAround(
+      int fd, int64_t chunk, char* buffer,
+      absl::FunctionRef<void(int64_t begin, int64_t end)> fresh) const;
+  // Bytes [from, to) of chunk `chunk`, bound for `dst`: one chunk's share
+  // of a ReadChunks call.
+  struct Part {
+    int64_t chunk;
+    int64_t from;
+    int64_t to;
+    char* dst;
+  };
+  // Where ReadHeld left a part.
+  enum class Held {
+    kServed,   // copied out of a slot this read filled
+    kPending,  // in a slot, to be copied once filled (FinishHeld)
+    kNotHeld,  // for the caller's other paths (ReadCached)
+  };
+  // A part out of the ChunkHold: `pending` is pinned to the slot that holds
+  // its chunk; or, when the chunk is neither verified nor in the page cache,
+  // to a slot this read fills now (FetchChunkAround, with `fd` opened at
+  // first need), copying the part out as it is checked.
+  absl::StatusOr<Held> ReadHeld(std::optional<absl::StatusOr<UniqueFd>>& fd,
+                                const Part& part,
+                                ChunkHold::Pin& pending) const;
+  // A kPending part, once its slot is filled; through ReadCached if the
+  // fill was abandoned.
+  absl::Status FinishHeld(std::optional<absl::StatusOr<UniqueFd>>& fd,
+                          const Part& part, ChunkHold::Pin& pending) const;
+  // A part read the way a chunk is without the hold: from the mapping, or
+  // with pread into a buffer where the chunk must come from the disk.
+  absl::Status ReadCached(std::optional<absl::StatusOr<UniqueFd>>& fd,
+                          const Part& part) const;
   std::string Where() const;
 
   std::string name_;
@@ -124,6 +173,12 @@ class BlobReader {
   // One bit a chunk: verified since the file was last seen modified.
   std::unique_ptr<std::atomic<uint64_t>[]> verified_;
   mutable std::atomic<int64_t> mtime_ns_{0};
+  // The blob's id in the ChunkHold; a new one when the file changes.
+  mutable std::atomic<uint64_t> hold_id_{0};
+  // Whether any chunk of it went to the hold (else reads skip looking).
+  mutable std::atomic<bool> held_once_{false};
+  // Whether the filesystem refused O_DIRECT for it.
+  mutable std::atomic<bool> no_direct_{false};
 };
 
 // The blobs that one operation (a read request, a blob being written) has

@@ -16,6 +16,7 @@
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
+#include "transfer/chunk_hold.h"
 #include "transfer/copy_bytes.h"
 #include "transfer/fetch_ahead.h"
 #include "transfer/mapping_guard.h"
@@ -429,6 +430,9 @@ absl::StatusOr<Materialization> Materialization::Write(
   for (const BlobJob& job : jobs) m.new_blobs_[job.name] = {};
   Progress progress(m.bytes_planned_, options.progress);
   Fetcher fetcher{options.remote};
+  // Workers reading the step through a mount meanwhile read the blobs this
+  // reads: through the page cache, so that each is read from the disk once.
+  ChunkHold::SharedPageCache shared;
   std::mutex mu;
   RETURN_IF_ERROR(ParallelFor(jobs.size(), IoThreads(), [&](size_t i) {
     const BlobJob& job = jobs[i];
