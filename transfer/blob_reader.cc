@@ -2,9 +2,11 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <optional>
 #include <utility>
@@ -232,45 +234,49 @@ absl::Status BlobReader::CheckChunk(
   return absl::OkStatus();
 }
 
-absl::Status BlobReader::FetchChunkAround(
-    int fd, int64_t chunk, char* buffer,
-    absl::FunctionRef<void(int64_t begin, int64_t end)> fresh) const {
-  // One read of the whole chunk: O_DIRECT has no read-ahead, and the bytes
-  // come from the device, not from a copy that would leave them in the
-  // CPU's cache. Its length is rounded up to whole pages, as O_DIRECT
-  // wants; at the end of the file it is simply shorter.
+absl::Status BlobReader::ReadAround(int fd, int64_t first,
+                                    absl::Span<char* const> buffers) const {
+  // The length is rounded up to whole pages, as O_DIRECT wants; at the end
+  // of the file the read is simply shorter.
   constexpr int64_t kPage = 4096;
-  const int64_t begin = chunk * kBlobChunkBytes;
-  const int64_t bytes = std::min(kBlobChunkBytes, record_.size - begin);
+  const int64_t begin = first * kBlobChunkBytes;
+  const int64_t bytes =
+      std::min<int64_t>(buffers.size() * kBlobChunkBytes, record_.size - begin);
   const int64_t rounded = (bytes + kPage - 1) / kPage * kPage;
   for (int64_t done = 0; done < bytes;) {
-    ssize_t n = pread(fd, buffer + done, rounded - done, begin + done);
+    std::array<iovec, kChunksAhead> parts;
+    int count = 0;
+    for (int64_t at = done; at < rounded; ++count) {
+      const int64_t i = at / kBlobChunkBytes;
+      const int64_t end = std::min(rounded, (i + 1) * kBlobChunkBytes);
+      parts[count] = {buffers[i] + (at - i * kBlobChunkBytes),
+                      static_cast<size_t>(end - at)};
+      at = end;
+    }
+    const ssize_t n = preadv(fd, parts.data(), count, begin + done);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && errno == EINVAL && (fcntl(fd, F_GETFL) & O_DIRECT)) {
+    const bool direct = fcntl(fd, F_GETFL) & O_DIRECT;
+    if (n < 0 && errno == EINVAL && direct) {
       // The filesystem takes O_DIRECT at open but not for this read: the
       // rest through the page cache, and the blob's later reads too.
       no_direct_ = true;
-      n = 0;
     } else if (n < 0) {
       return ErrnoError(errno, "read", path_);
     } else if (n == 0) {
       return absl::DataLossError(
           absl::StrCat(Where(), " ends at byte ", begin + done,
                        ", the catalog says ", record_.size));
+    } else {
+      done += n;
+      if (done >= bytes || done % kPage == 0 || !direct) continue;
     }
-    done += n;
-    if (done < bytes && (done % kPage != 0 || n == 0)) {
-      // A read that stopped short of a page: the rest through the page
-      // cache (O_DIRECT wants reads to start on a page).
-      if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_DIRECT) != 0) {
-        return ErrnoError(errno, "read", path_);
-      }
-      RETURN_IF_ERROR(Fetch(fd, buffer + done, bytes - done, begin + done));
-      break;
+    // Stopped short of a page, or refused: O_DIRECT wants reads to start
+    // on one. The rest through the page cache.
+    if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_DIRECT) != 0) {
+      return ErrnoError(errno, "read", path_);
     }
   }
-  return CheckChunk(
-      chunk, buffer, [](int64_t, int64_t) { return absl::OkStatus(); }, fresh);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<BlobReader::Held> BlobReader::ReadHeld(
@@ -304,18 +310,49 @@ absl::StatusOr<BlobReader::Held> BlobReader::ReadHeld(
     pending = std::move(pin);
     return Held::kPending;
   }
-  absl::Status filled = FetchChunkAround(
-      (*fd)->get(), part.chunk, pin.data(), [&](int64_t lo, int64_t hi) {
-        lo = std::max(lo, part.from);
-        hi = std::min(hi, part.to);
-        if (lo < hi) {
-          CopyBytes(part.dst + (lo - part.from), pin.data() + (lo - begin),
-                    hi - lo);
-        }
-      });
-  pin.Filled(filled);
-  RETURN_IF_ERROR(filled);
-  pin.Served(part.to - part.from);
+  // Read ahead, in the same read, the chunks after it that no one holds or
+  // has checked: one synchronous read of a chunk at a time kept too little
+  // in flight for the disk, against the kernel's 8 MiB read-ahead of a
+  // buffered read (docs/benchmarks.md).
+  std::array<ChunkHold::Pin, kChunksAhead> pins;
+  std::array<char*, kChunksAhead> buffers;
+  pins[0] = std::move(pin);
+  buffers[0] = pins[0].data();
+  size_t count = 1;
+  for (; count < kChunksAhead; ++count) {
+    const int64_t next = part.chunk + static_cast<int64_t>(count);
+    const int64_t next_begin = next * kBlobChunkBytes;
+    if (next_begin >= record_.size || IsVerified(next)) break;
+    ChunkHold::Pin ahead = hold.Acquire(
+        {key.blob, next}, std::min(kBlobChunkBytes, record_.size - next_begin));
+    if (!ahead.must_fill()) break;  // held already, or no slot free
+    buffers[count] = ahead.data();
+    pins[count] = std::move(ahead);
+  }
+  absl::Status first;
+  const absl::Status read = ReadAround((*fd)->get(), part.chunk,
+                                       absl::MakeSpan(buffers.data(), count));
+  for (size_t i = 0; i < count; ++i) {
+    absl::Status filled = read;
+    if (filled.ok()) {
+      filled = CheckChunk(
+          part.chunk + static_cast<int64_t>(i), buffers[i],
+          [](int64_t, int64_t) { return absl::OkStatus(); },
+          [&](int64_t lo, int64_t hi) {
+            if (i > 0) return;
+            lo = std::max(lo, part.from);
+            hi = std::min(hi, part.to);
+            if (lo < hi) {
+              CopyBytes(part.dst + (lo - part.from), buffers[0] + (lo - begin),
+                        hi - lo);
+            }
+          });
+    }
+    if (i == 0) first = filled;
+    pins[i].Filled(std::move(filled));
+  }
+  RETURN_IF_ERROR(first);
+  pins[0].Served(part.to - part.from);
   return Held::kServed;
 }
 

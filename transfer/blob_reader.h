@@ -30,6 +30,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "transfer/chunk_hold.h"
 #include "transfer/files.h"
 #include "transfer/store.h"
@@ -95,6 +96,8 @@ class BlobReader {
 
  private:
   BlobReader() = default;
+  // How many chunks one read of a cold chunk reads at most (ReadHeld).
+  static constexpr size_t kChunksAhead = 4;
   absl::Status VerifyChunk(int64_t chunk) const;
   // Whether chunk `chunk` is best read with pread, checked in a buffer: it
   // is not verified, the page cache lacks it, and it is no longer than
@@ -123,12 +126,11 @@ class BlobReader {
       int64_t chunk, char* buffer,
       absl::FunctionRef<absl::Status(int64_t at, int64_t n)> fetch,
       absl::FunctionRef<void(int64_t begin, int64_t end)> fresh) const;
-  // Chunk `chunk` read whole into `buffer` (kBlobChunkBytes, page-aligned)
-  // from `fd`, opened with O_DIRECT where the filesystem allows it, then
-  // checked as FetchChunk checks.
-  absl::Status FetchChunkAround(
-      int fd, int64_t chunk, char* buffer,
-      absl::FunctionRef<void(int64_t begin, int64_t end)> fresh) const;
+  // Chunks `first`, `first` + 1, ... read whole into `buffers` (one each,
+  // kBlobChunkBytes, page-aligned) with one read from `fd`, opened with
+  // O_DIRECT where the filesystem allows it; not checked (CheckChunk).
+  absl::Status ReadAround(int fd, int64_t first,
+                          absl::Span<char* const> buffers) const;
   // Bytes [from, to) of chunk `chunk`, bound for `dst`: one chunk's share
   // of a ReadChunks call.
   struct Part {
@@ -145,8 +147,10 @@ class BlobReader {
   };
   // A part out of the ChunkHold: `pending` is pinned to the slot that holds
   // its chunk; or, when the chunk is neither verified nor in the page cache,
-  // to a slot this read fills now (FetchChunkAround, with `fd` opened at
-  // first need), copying the part out as it is checked.
+  // to a slot this read fills now (ReadAround, with `fd` opened at first
+  // need), copying the part out as it is checked. The chunks after it that
+  // no one holds yet are read in the same read, into slots of their own,
+  // for the requests to come (kChunksAhead).
   absl::StatusOr<Held> ReadHeld(std::optional<absl::StatusOr<UniqueFd>>& fd,
                                 const Part& part,
                                 ChunkHold::Pin& pending) const;

@@ -1,6 +1,10 @@
 #include "transfer/chunk_hold.h"
 
+#include <sys/mman.h>
+
 #include <atomic>
+#include <cstdint>
+#include <new>
 #include <utility>
 
 #include "transfer/blob_checksum.h"
@@ -8,7 +12,23 @@
 namespace scalai {
 
 ChunkHold::ChunkHold(int slots, int64_t slot_bytes)
-    : slot_bytes_(slot_bytes), slots_(slots) {}
+    : slot_bytes_(slot_bytes), slots_(slots) {
+  constexpr size_t kHugePage = 2 << 20;
+  region_bytes_ = slots * slot_bytes + kHugePage;
+  void* region = mmap(nullptr, region_bytes_, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (region == MAP_FAILED) throw std::bad_alloc();
+  region_ = static_cast<char*>(region);
+  char* const aligned = reinterpret_cast<char*>(
+      (reinterpret_cast<uintptr_t>(region_) + kHugePage - 1) / kHugePage *
+      kHugePage);
+  // Best effort: without huge pages the slots work the same, in smaller
+  // disk requests.
+  madvise(aligned, slots * slot_bytes, MADV_HUGEPAGE);
+  for (int i = 0; i < slots; ++i) slots_[i].bytes = aligned + i * slot_bytes;
+}
+
+ChunkHold::~ChunkHold() { munmap(region_, region_bytes_); }
 
 ChunkHold& ChunkHold::Shared() {
   static ChunkHold* const hold = new ChunkHold(64, kBlobChunkBytes);
@@ -57,8 +77,6 @@ ChunkHold::Pin ChunkHold::Acquire(Key key, int64_t bytes) {
     if (chosen == nullptr || slot.used < chosen->used) chosen = &slot;
   }
   if (chosen == nullptr) return Pin();
-  // Allocated once, then reused: fresh pages cost more than the copy.
-  if (chosen->bytes == nullptr) chosen->bytes = NewIoBuffer(slot_bytes_);
   chosen->key = key;
   chosen->unserved = bytes;
   chosen->pins = 1;
