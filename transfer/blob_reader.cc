@@ -234,8 +234,9 @@ absl::Status BlobReader::CheckChunk(
   return absl::OkStatus();
 }
 
-absl::Status BlobReader::ReadAround(int fd, int64_t first,
+absl::Status BlobReader::ReadAround(AroundFd& around, int64_t first,
                                     absl::Span<char* const> buffers) const {
+  const int fd = around.fd->get();
   // The length is rounded up to whole pages, as O_DIRECT wants; at the end
   // of the file the read is simply shorter.
   constexpr int64_t kPage = 4096;
@@ -255,8 +256,7 @@ absl::Status BlobReader::ReadAround(int fd, int64_t first,
     }
     const ssize_t n = preadv(fd, parts.data(), count, begin + done);
     if (n < 0 && errno == EINTR) continue;
-    const bool direct = fcntl(fd, F_GETFL) & O_DIRECT;
-    if (n < 0 && errno == EINVAL && direct) {
+    if (n < 0 && errno == EINVAL && around.direct) {
       // The filesystem takes O_DIRECT at open but not for this read: the
       // rest through the page cache, and the blob's later reads too.
       no_direct_ = true;
@@ -268,19 +268,21 @@ absl::Status BlobReader::ReadAround(int fd, int64_t first,
                        ", the catalog says ", record_.size));
     } else {
       done += n;
-      if (done >= bytes || done % kPage == 0 || !direct) continue;
+      if (done >= bytes || done % kPage == 0 || !around.direct) continue;
     }
     // Stopped short of a page, or refused: O_DIRECT wants reads to start
     // on one. The rest through the page cache.
-    if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_DIRECT) != 0) {
+    const int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_DIRECT) != 0) {
       return ErrnoError(errno, "read", path_);
     }
+    around.direct = false;
   }
   return absl::OkStatus();
 }
 
 absl::StatusOr<BlobReader::Held> BlobReader::ReadHeld(
-    std::optional<absl::StatusOr<UniqueFd>>& fd, const Part& part,
+    std::optional<AroundFd>& around, const Part& part,
     ChunkHold::Pin& pending) const {
   const int64_t begin = part.chunk * kBlobChunkBytes;
   const int64_t bytes = std::min(kBlobChunkBytes, record_.size - begin);
@@ -293,15 +295,15 @@ absl::StatusOr<BlobReader::Held> BlobReader::ReadHeld(
         map_.Cached(begin, bytes)) {
       return Held::kNotHeld;
     }
-    if (!fd) {
-      fd = OpenFd(O_DIRECT);
-      if (!fd->ok() && absl::IsInvalidArgument(fd->status())) {
+    if (!around) {
+      around = AroundFd{OpenFd(O_DIRECT), true};
+      if (!around->fd.ok() && absl::IsInvalidArgument(around->fd.status())) {
         // No O_DIRECT on this filesystem: its page cache it is.
         no_direct_ = true;
-        fd = OpenFd();
+        around = AroundFd{OpenFd(), false};
       }
     }
-    if (!fd->ok()) return Held::kNotHeld;
+    if (!around->fd.ok()) return Held::kNotHeld;
     held_once_.store(true, std::memory_order_release);
     pin = hold.Acquire(key, bytes);
     if (!pin) return Held::kNotHeld;
@@ -330,8 +332,8 @@ absl::StatusOr<BlobReader::Held> BlobReader::ReadHeld(
     pins[count] = std::move(ahead);
   }
   absl::Status first;
-  const absl::Status read = ReadAround((*fd)->get(), part.chunk,
-                                       absl::MakeSpan(buffers.data(), count));
+  const absl::Status read =
+      ReadAround(*around, part.chunk, absl::MakeSpan(buffers.data(), count));
   for (size_t i = 0; i < count; ++i) {
     absl::Status filled = read;
     if (filled.ok()) {
@@ -446,7 +448,7 @@ absl::Status BlobReader::ReadChunks(char* out, int64_t length,
   }
   // Opened at the first chunk that needs the disk, once for the call: for
   // the hold (around the page cache where it can) and for pread.
-  std::optional<absl::StatusOr<UniqueFd>> around;
+  std::optional<AroundFd> around;
   std::optional<absl::StatusOr<UniqueFd>> fd;
   // Parts of chunks that another read is filling are copied last, once this
   // read has filled its own: a request's first chunk is its predecessor's

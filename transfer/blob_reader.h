@@ -126,10 +126,17 @@ class BlobReader {
       int64_t chunk, char* buffer,
       absl::FunctionRef<absl::Status(int64_t at, int64_t n)> fetch,
       absl::FunctionRef<void(int64_t begin, int64_t end)> fresh) const;
+  // The blob opened for the hold's reads, at their first need in one
+  // ReadChunks call: with O_DIRECT where the filesystem allows it, and
+  // `direct` false once it no longer is (ReadAround turns it off).
+  struct AroundFd {
+    absl::StatusOr<UniqueFd> fd;
+    bool direct = false;
+  };
   // Chunks `first`, `first` + 1, ... read whole into `buffers` (one each,
-  // kBlobChunkBytes, page-aligned) with one read from `fd`, opened with
-  // O_DIRECT where the filesystem allows it; not checked (CheckChunk).
-  absl::Status ReadAround(int fd, int64_t first,
+  // kBlobChunkBytes, page-aligned) with one read from `around`; not
+  // checked (CheckChunk).
+  absl::Status ReadAround(AroundFd& around, int64_t first,
                           absl::Span<char* const> buffers) const;
   // Bytes [from, to) of chunk `chunk`, bound for `dst`: one chunk's share
   // of a ReadChunks call.
@@ -147,11 +154,11 @@ class BlobReader {
   };
   // A part out of the ChunkHold: `pending` is pinned to the slot that holds
   // its chunk; or, when the chunk is neither verified nor in the page cache,
-  // to a slot this read fills now (ReadAround, with `fd` opened at first
+  // to a slot this read fills now (ReadAround, with `around` opened at first
   // need), copying the part out as it is checked. The chunks after it that
   // no one holds yet are read in the same read, into slots of their own,
   // for the requests to come (kChunksAhead).
-  absl::StatusOr<Held> ReadHeld(std::optional<absl::StatusOr<UniqueFd>>& fd,
+  absl::StatusOr<Held> ReadHeld(std::optional<AroundFd>& around,
                                 const Part& part,
                                 ChunkHold::Pin& pending) const;
   // A kPending part, once its slot is filled; through ReadCached if the
