@@ -86,6 +86,26 @@ def held_by_deleted_files(fs):
     return usage.total - usage.free - named
 
 
+def wait_space_settled(tmp, mnts, step_bytes):
+    """h1 holds no more than one stage: each host lets go of the shards it
+    kept for the other a beat or two after both are ready, and their space
+    comes back once no view maps them. Until then h1's free space is not
+    what it will be."""
+    def blob_bytes():
+        d = f"{tmp}/h1/store/blobs"
+        return sum(e.stat().st_size for e in os.scandir(d) if e.is_file())
+
+    deadline = deadline_in(30)
+    while blob_bytes() > 0.6 * step_bytes:
+        assert time.time() < deadline, (blob_bytes(), step_bytes)
+        time.sleep(0.1)
+    deadline = deadline_in(10)
+    while held_by_deleted_files(f"{tmp}/h1") >= 64 * 1024:
+        assert time.time() < deadline, deleted_files_held(
+            server_pid(mnts["h1"]), f"{tmp}/h1/")
+        time.sleep(0.1)
+
+
 def save_ranks(mnt, step, shards, ranks):
     """Workers save `ranks` of `step` under TARGET through `mnt`."""
     for rank in ranks:
@@ -98,11 +118,14 @@ def saves_waiting(mnt):
     return json.loads(run("cluster", "status", mnt, "--json").stdout)["saves"]
 
 
-def save_on_full_disk(tmp, mnts, full):
+def save_on_full_disk(tmp, mnts, full, step_bytes):
     """Step 8: h0 saves rank 0 and votes; h1's worker gets ENOSPC saving
     rank 1. The failed save removed on h1 with rm -r is dropped on both
     hosts; with space freed, the step is saved again and commits."""
     shards = rank_shards(full, TARGET, True, DIVISOR, LAYERS)
+    # Filled before the shards kept from before the switch are let go, h1
+    # would have room again by the time rank 1 is saved.
+    wait_space_settled(tmp, mnts, step_bytes)
     save_ranks(mnts["h0"], 8, shards, [0])
     deadline = deadline_in(30)
     while [s["voted"] for s in saves_waiting(mnts["h0"])] != [["h0"]]:
@@ -202,22 +225,7 @@ def main():
             write_config(mnts["h0"], START)
             for m in mnts.values():
                 wait_state(m, START, "ready")
-            # Each host lets go of the other's shards once both are ready:
-            # only then is h1's free space what it will be.
-            def blob_bytes():
-                d = f"{tmp}/h1/store/blobs"
-                return sum(e.stat().st_size for e in os.scandir(d) if e.is_file())
-
-            deadline = deadline_in(30)
-            while blob_bytes() > 0.6 * step_bytes:
-                assert time.time() < deadline, (blob_bytes(), step_bytes)
-                time.sleep(0.1)
-            # ... and once no view maps them, their space comes back.
-            deadline = deadline_in(10)
-            while held_by_deleted_files(f"{tmp}/h1") >= 64 * 1024:
-                assert time.time() < deadline, deleted_files_held(
-                    server_pid(mnts["h1"]), f"{tmp}/h1/")
-                time.sleep(0.1)
+            wait_space_settled(tmp, mnts, step_bytes)
 
             # Fill h1's disk but for a quarter of a step: its stage, more
             # than a third of the model, cannot fit.
@@ -258,7 +266,7 @@ def main():
                 check_bytes(m, full, TARGET, LAYERS, DIVISOR)
             print(f"space freed, the config written again on h1: {out.strip()}")
 
-            save_on_full_disk(tmp, mnts, full)
+            save_on_full_disk(tmp, mnts, full, step_bytes)
             read_with_peer_gone(mnts, mount, full)
 
             for h in HOSTS:
