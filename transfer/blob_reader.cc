@@ -296,11 +296,11 @@ absl::StatusOr<BlobReader::Held> BlobReader::ReadHeld(
       return Held::kNotHeld;
     }
     if (!around) {
-      around = AroundFd{OpenFd(O_DIRECT), true};
+      around = AroundFd{OpenFd(O_DIRECT)};
       if (!around->fd.ok() && absl::IsInvalidArgument(around->fd.status())) {
-        // No O_DIRECT on this filesystem: its page cache it is.
+        // No O_DIRECT on this filesystem: its page cache it is, for every
+        // read of this blob from now on.
         no_direct_ = true;
-        around = AroundFd{OpenFd(), false};
       }
     }
     if (!around->fd.ok()) return Held::kNotHeld;

@@ -126,12 +126,12 @@ class BlobReader {
       int64_t chunk, char* buffer,
       absl::FunctionRef<absl::Status(int64_t at, int64_t n)> fetch,
       absl::FunctionRef<void(int64_t begin, int64_t end)> fresh) const;
-  // The blob opened for the hold's reads, at their first need in one
-  // ReadChunks call: with O_DIRECT where the filesystem allows it, and
-  // `direct` false once it no longer is (ReadAround turns it off).
+  // The blob opened with O_DIRECT for the hold's reads, at their first
+  // need in one ReadChunks call; `direct` turns false where ReadAround had
+  // to turn O_DIRECT off for the rest of a read.
   struct AroundFd {
     absl::StatusOr<UniqueFd> fd;
-    bool direct = false;
+    bool direct = true;
   };
   // Chunks `first`, `first` + 1, ... read whole into `buffers` (one each,
   // kBlobChunkBytes, page-aligned) with one read from `around`; not
