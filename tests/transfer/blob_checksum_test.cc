@@ -1,9 +1,10 @@
 // Chunk sums and verified reads (issue 16): the hasher agrees with hashing
 // each chunk alone however the bytes are fed; a BlobReader hands out only
-// bytes that match their chunk sums and names the blob, step and chunk when
-// they do not; a store's records without chunk sums get them at the next
-// writable open when the bytes still match; a file saved with rewrites gets
-// the sums of its final bytes.
+// bytes that match their chunk sums, whichever way it read them from the
+// disk, and names the blob, step and chunk when they do not; a store's
+// records without chunk sums get them at the next writable open when the
+// bytes still match; a file saved with rewrites gets the sums of its final
+// bytes.
 #include "transfer/blob_checksum.h"
 
 #include <fcntl.h>
@@ -13,17 +14,23 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <ostream>
 #include <random>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "transfer/blob_reader.h"
+#include "transfer/chunk_hold.h"
 #include "transfer/step_writer.h"
 #include "transfer/store.h"
 #include "xxhash.h"
@@ -73,6 +80,44 @@ TEST(ChunkSums, EncodeDecodeRoundTripAndRefuseDamage) {
   EXPECT_EQ(*DecodeChunkSums(EncodeChunkSums(sums)), sums);
   EXPECT_FALSE(DecodeChunkSums("0123").ok());
   EXPECT_FALSE(DecodeChunkSums("zz23456789abcdef").ok());
+}
+
+// Whether any page of the file at `path` is in the page cache.
+bool AnyPageCached(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY);
+  EXPECT_GE(fd, 0);
+  struct stat st;
+  EXPECT_EQ(fstat(fd, &st), 0);
+  void* map = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  EXPECT_NE(map, MAP_FAILED);
+  const long page = sysconf(_SC_PAGESIZE);
+  std::vector<unsigned char> resident((st.st_size + page - 1) / page);
+  EXPECT_EQ(mincore(map, st.st_size, resident.data()), 0);
+  munmap(map, st.st_size);
+  return std::any_of(resident.begin(), resident.end(),
+                     [](unsigned char r) { return r & 1; });
+}
+
+// Written back and dropped from the page cache; false where the page cache
+// cannot be dropped (a tmpfs), where these reads go through it anyway. A
+// read through a mapping just before may have left the kernel's read-ahead
+// in flight, whose pages count as cached only once read, after a drop:
+// dropped again until none come back in two pauses running.
+bool DropCache(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY);
+  EXPECT_GE(fd, 0);
+  EXPECT_EQ(fdatasync(fd), 0);
+  int clean = 0;
+  for (int attempt = 0; attempt < 40 && clean < 2; ++attempt) {
+    if (clean == 0) {
+      EXPECT_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    clean = AnyPageCached(path) ? 0 : clean + 1;
+  }
+  close(fd);
+  return clean == 2;
 }
 
 class BlobReaderTest : public ::testing::Test {
@@ -158,19 +203,48 @@ TEST_F(BlobReaderTest, ServesMatchingBytesAndNamesTheBadChunk) {
   EXPECT_FALSE(again->Verify(bytes.size() - 1, 2).ok());
 }
 
-// A chunk the page cache lacks is read for its check with pread, not
-// through the mapping: damage on the disk is caught there too.
-TEST_F(BlobReaderTest, ChunksReadFromTheDiskAreChecked) {
+// The two ways a cold chunk is read, each checked in the buffer it was
+// read into: around the page cache into the process's ChunkHold, and, while
+// a SharedPageCache lives (a materialization reading the same blobs beside
+// the mount), with pread into a buffer.
+enum class ColdPath { kHold, kSharedPageCache };
+
+std::string PathName(ColdPath path) {
+  return path == ColdPath::kHold ? "Hold" : "SharedPageCache";
+}
+void PrintTo(ColdPath path, std::ostream* os) { *os << PathName(path); }
+
+class ColdReadTest : public BlobReaderTest,
+                     public ::testing::WithParamInterface<ColdPath> {
+ protected:
+  void SetUp() override {
+    BlobReaderTest::SetUp();
+    if (GetParam() == ColdPath::kSharedPageCache) sharing_.emplace();
+  }
+  // After a read from a cold cache: whether it went the way asked for.
+  void ExpectReadThroughThePageCache(const std::string& path,
+                                     bool was_cold) const {
+    if (!was_cold) return;  // a tmpfs: both ways go through the page cache
+    EXPECT_EQ(AnyPageCached(path), GetParam() == ColdPath::kSharedPageCache);
+  }
+
+  std::optional<ChunkHold::SharedPageCache> sharing_;
+};
+
+INSTANTIATE_TEST_SUITE_P(BothPaths, ColdReadTest,
+                         ::testing::Values(ColdPath::kHold,
+                                           ColdPath::kSharedPageCache),
+                         [](const auto& info) { return PathName(info.param); });
+
+// Damage on the disk is caught in a chunk read from it, by a read and by a
+// Verify alike.
+TEST_P(ColdReadTest, ChunksReadFromTheDiskAreChecked) {
   std::mt19937_64 rng(9);
   const std::string bytes = RandomBytes(rng, 2 * kBlobChunkBytes + 5);
   const std::string name = AddBlob(bytes);
+  const std::string path = store_->BlobPath(name);
   Flip(name, kBlobChunkBytes + 3);
-  // Out of the page cache: written back, then dropped.
-  const int fd = open(store_->BlobPath(name).c_str(), O_RDONLY);
-  ASSERT_GE(fd, 0);
-  ASSERT_EQ(fdatasync(fd), 0);
-  ASSERT_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
-  close(fd);
+  const bool cold = DropCache(path);
   auto blob = BlobReader::Open(*store_, name);
   std::string out(kBlobChunkBytes, '\0');
   // The damaged chunk first: a read of another would bring it in with the
@@ -178,27 +252,32 @@ TEST_F(BlobReaderTest, ChunksReadFromTheDiskAreChecked) {
   absl::Status s = blob->Read(out.data(), 10, kBlobChunkBytes + 100);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(s.message(), HasSubstr("chunk 1"));
+  ExpectReadThroughThePageCache(path, cold);
   ASSERT_TRUE(blob->Read(out.data(), kBlobChunkBytes, 0).ok());
   EXPECT_TRUE(out == bytes.substr(0, kBlobChunkBytes));
+
+  DropCache(path);
+  s = BlobReader::Open(*store_, name)->Verify(kBlobChunkBytes + 100, 10);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(), HasSubstr("chunk 1"));
 }
 
 // A read that needs a chunk from the disk is served from the buffer the
-// chunk was checked in: whole chunks straight into the caller's buffer,
-// parts of chunks out of the thread's. Either way the bytes are the blob's,
-// and a damaged chunk is refused before any of it is handed out.
-TEST_F(BlobReaderTest, ReadsFromTheDiskServeTheBytesTheyChecked) {
+// chunk was checked in: through the page cache, whole chunks straight into
+// the caller's buffer where it is aligned for the kernel's copy, and parts
+// of chunks out of the thread's. Either way the bytes are the blob's, and a
+// damaged chunk is refused before any of it is handed out.
+TEST_P(ColdReadTest, ReadsFromTheDiskServeTheBytesTheyChecked) {
   std::mt19937_64 rng(11);
   const std::string bytes = RandomBytes(rng, 4 * kBlobChunkBytes + 999);
   const std::string name = AddBlob(bytes);
   const std::string path = store_->BlobPath(name);
-  auto drop_cache = [&] {
-    const int fd = open(path.c_str(), O_RDONLY);
-    ASSERT_GE(fd, 0);
-    ASSERT_EQ(fdatasync(fd), 0);
-    ASSERT_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
-    close(fd);
+  // Read into an aligned buffer, and into one 8 bytes past it.
+  const IoBuffer buffer = NewIoBuffer(bytes.size() + 64);
+  auto matches = [&](const char* out, int64_t offset, int64_t n) {
+    return std::string_view(out, n) ==
+           std::string_view(bytes).substr(offset, n);
   };
-  std::string out(bytes.size(), '\0');
   // Aligned ranges (chunks copied whole), a range with parts of two chunks
   // around a whole one, the short last chunk, then random ranges; each from
   // a cold cache and a fresh reader, so that no chunk is verified yet.
@@ -212,16 +291,21 @@ TEST_F(BlobReaderTest, ReadsFromTheDiskServeTheBytesTheyChecked) {
     const int64_t offset = rng() % bytes.size();
     ranges.emplace_back(offset, 1 + rng() % (bytes.size() - offset));
   }
-  for (const auto& [offset, n] : ranges) {
-    drop_cache();
-    auto blob = BlobReader::Open(*store_, name);
-    std::fill(out.begin(), out.end(), '\0');
-    ASSERT_TRUE(blob->Read(out.data(), n, offset).ok()) << offset << "+" << n;
-    ASSERT_TRUE(out.compare(0, n, bytes, offset, n) == 0) << offset << "+" << n;
-    // Read again, now verified: from the mapping, the same bytes.
-    std::fill(out.begin(), out.end(), '\0');
-    ASSERT_TRUE(blob->Read(out.data(), n, offset).ok());
-    ASSERT_TRUE(out.compare(0, n, bytes, offset, n) == 0) << offset << "+" << n;
+  for (int64_t skew : {0, 8}) {
+    char* const out = buffer.get() + skew;
+    for (const auto& [offset, n] : ranges) {
+      SCOPED_TRACE(absl::StrCat(offset, "+", n, ", skew ", skew));
+      const bool cold = DropCache(path);
+      auto blob = BlobReader::Open(*store_, name);
+      std::fill(out, out + bytes.size(), '\0');
+      ASSERT_TRUE(blob->Read(out, n, offset).ok());
+      ASSERT_TRUE(matches(out, offset, n));
+      ExpectReadThroughThePageCache(path, cold);
+      // Read again, now verified: from the mapping, the same bytes.
+      std::fill(out, out + bytes.size(), '\0');
+      ASSERT_TRUE(blob->Read(out, n, offset).ok());
+      ASSERT_TRUE(matches(out, offset, n));
+    }
   }
   // Damage in a chunk read whole into the caller's buffer, and in one read
   // in part: both refused, naming the chunk.
@@ -229,44 +313,17 @@ TEST_F(BlobReaderTest, ReadsFromTheDiskServeTheBytesTheyChecked) {
   for (const auto& [offset, n] :
        {std::pair<int64_t, int64_t>{kBlobChunkBytes, 2 * kBlobChunkBytes},
         {2 * kBlobChunkBytes + 70, 10}}) {
-    drop_cache();
+    SCOPED_TRACE(absl::StrCat(offset, "+", n));
+    DropCache(path);
     auto blob = BlobReader::Open(*store_, name);
-    absl::Status s = blob->Read(out.data(), n, offset);
+    absl::Status s = blob->Read(buffer.get(), n, offset);
     EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
     EXPECT_THAT(s.message(), HasSubstr("chunk 2"));
     // The chunk before it is intact and still served.
-    ASSERT_TRUE(blob->Read(out.data(), kBlobChunkBytes, kBlobChunkBytes).ok());
-    EXPECT_TRUE(out.compare(0, kBlobChunkBytes, bytes, kBlobChunkBytes,
-                            kBlobChunkBytes) == 0);
+    ASSERT_TRUE(
+        blob->Read(buffer.get(), kBlobChunkBytes, kBlobChunkBytes).ok());
+    EXPECT_TRUE(matches(buffer.get(), kBlobChunkBytes, kBlobChunkBytes));
   }
-}
-
-// Whether any page of the file at `path` is in the page cache.
-bool AnyPageCached(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY);
-  EXPECT_GE(fd, 0);
-  struct stat st;
-  EXPECT_EQ(fstat(fd, &st), 0);
-  void* map = mmap(nullptr, st.st_size, PROT_READ, MAP_SHARED, fd, 0);
-  close(fd);
-  EXPECT_NE(map, MAP_FAILED);
-  const long page = sysconf(_SC_PAGESIZE);
-  std::vector<unsigned char> resident((st.st_size + page - 1) / page);
-  EXPECT_EQ(mincore(map, st.st_size, resident.data()), 0);
-  munmap(map, st.st_size);
-  return std::any_of(resident.begin(), resident.end(),
-                     [](unsigned char r) { return r & 1; });
-}
-
-// Written back and dropped from the page cache; false where the page cache
-// cannot be dropped (a tmpfs), where these reads go through it anyway.
-bool DropCache(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY);
-  EXPECT_GE(fd, 0);
-  EXPECT_EQ(fdatasync(fd), 0);
-  EXPECT_EQ(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
-  close(fd);
-  return !AnyPageCached(path);
 }
 
 // A chunk the page cache lacks is read around it (O_DIRECT) into the
