@@ -404,6 +404,42 @@ TEST_F(BlobReaderTest, ConcurrentRequestsThatStraddleColdChunksGetTheirBytes) {
   }
 }
 
+// Eight threads want parts of one damaged cold chunk at once: one reads it
+// into the hold and finds the damage, and those that waited for that fill
+// are refused too, never handed the slot's bytes.
+TEST_F(BlobReaderTest, ReadersWaitingOnADamagedChunkAreRefusedToo) {
+  std::mt19937_64 rng(29);
+  const std::string bytes = RandomBytes(rng, 4 * kBlobChunkBytes);
+  const std::string name = AddBlob(bytes);
+  const std::string path = store_->BlobPath(name);
+  Flip(name, 2 * kBlobChunkBytes + 12345);
+  constexpr int kThreads = 8;
+  constexpr int64_t kSlice = kBlobChunkBytes / kThreads;
+  for (int round = 0; round < 10; ++round) {
+    SCOPED_TRACE(absl::StrCat("round ", round));
+    DropCache(path);
+    auto blob = BlobReader::Open(*store_, name);
+    std::atomic<int> ready{0};
+    std::atomic<int> refused{0};
+    std::atomic<int> served{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        std::string out(kSlice, '\0');
+        ++ready;
+        while (ready.load() < kThreads) std::this_thread::yield();
+        absl::Status s =
+            blob->Read(out.data(), kSlice, 2 * kBlobChunkBytes + t * kSlice);
+        if (absl::IsDataLoss(s)) ++refused;
+        if (s.ok()) ++served;
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    EXPECT_EQ(served, 0);
+    EXPECT_EQ(refused, kThreads);
+  }
+}
+
 // A chunk is read for its check with pread through the blob's name; once
 // the name is gone (a step retired while a reader has it open) the mapping
 // still serves the file, checked the same way.
