@@ -7,7 +7,9 @@ on its own copy of a store:
   the chunk, for a flipped byte);
 - a reconfiguration that must copy from the damaged blob fails naming it, and
   nothing is committed: switching back serves the intact rank again;
-- fsck still fails naming the blob, and export refuses it.
+- fsck still fails naming the blob, and export refuses it;
+- a byte flipped in any one tensor of a rank makes an export that merges
+  the ranks refuse it, whichever way that tensor is copied.
 Read from a cold page cache, the intact rank is exact and a flipped byte is
 caught. Then a byte flipped under a running mount after its chunk was
 verified is caught at the next read that reaches the server. Exits 77 only
@@ -45,6 +47,16 @@ def blob_of_rank(store, rank):
         if header.get("__metadata__", {}).get("scalai.rank") == str(rank):
             return name
     raise AssertionError(f"no blob of rank {rank} in {store}")
+
+
+def tensor_ranges(path):
+    """(name, begin, end) of each tensor's bytes in the safetensors file at
+    `path`, as offsets in the file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return [(name, 8 + n + t["data_offsets"][0], 8 + n + t["data_offsets"][1])
+            for name, t in header.items() if name != "__metadata__"]
 
 
 def flip(path, offset):
@@ -146,6 +158,22 @@ def main():
             assert [s["config"] for s in info["steps"]] == [SAVED], (kind, info["steps"])
             print(f"{kind}: EIO on the damaged rank, named in status; reconfigure, fsck "
                   f"and export refuse it; the intact rank reads exactly")
+
+        # A byte flipped in any one tensor, each in turn: an export that
+        # merges the ranks refuses it, whichever way it copies that tensor
+        # (whole shards, runs of rows, or boxes of a dim-1 split).
+        store = f"{tmp}/each"
+        shutil.copytree(pristine, store)
+        path = f"{store}/blobs/{blob_of_rank(store, 1)}"
+        ranges = tensor_ranges(path)
+        for name, begin, end in ranges:
+            flip(path, (begin + end) // 2)
+            p = run("export", store, f"{tmp}/each-out", "--config", "tp=1,pp=1,dp=1", expect=1)
+            assert os.path.basename(path) in p.stderr, (name, p.stderr)
+            assert not os.path.exists(f"{tmp}/each-out"), name
+            flip(path, (begin + end) // 2)  # back as it was
+        run("export", store, f"{tmp}/each-out", "--config", "tp=1,pp=1,dp=1")
+        print(f"a byte flipped in each of rank 1's {len(ranges)} tensors: export refuses it")
 
         # From a cold page cache: the chunks are checked as they come from
         # the disk.
