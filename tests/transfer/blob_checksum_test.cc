@@ -470,6 +470,37 @@ TEST_F(BlobReaderTest, ChunksAreCheckedThroughTheMappingOnceTheNameIsGone) {
   EXPECT_TRUE(out == bytes.substr(2 * kBlobChunkBytes));
 }
 
+// Another file put in a blob's place (a copy restored over the store, a
+// tool that writes beside and renames) is never read in its stead: a reader
+// that has verified the blob's chunks serves them from the file it mapped,
+// by every path, and opens no descriptor on the newcomer.
+TEST_F(BlobReaderTest, AFilePutInTheBlobsPlaceIsNeverRead) {
+  std::mt19937_64 rng(31);
+  const std::string bytes = RandomBytes(rng, 3 * kBlobChunkBytes + 11);
+  const std::string name = AddBlob(bytes);
+  const std::string path = store_->BlobPath(name);
+  auto blob = BlobReader::Open(*store_, name);
+  std::string out(bytes.size(), '\0');
+  ASSERT_TRUE(blob->Read(out.data(), out.size(), 0).ok());  // all verified
+  const std::string other = RandomBytes(rng, bytes.size());
+  std::ofstream(path + ".new", std::ios::binary) << other;
+  ASSERT_EQ(rename((path + ".new").c_str(), path.c_str()), 0);
+
+  EXPECT_FALSE(blob->OpenFd().ok());
+  std::fill(out.begin(), out.end(), '\0');
+  ASSERT_TRUE(blob->Read(out.data(), out.size(), 0).ok());
+  EXPECT_TRUE(out == bytes);
+  std::unique_ptr<char[]> buffer(new char[kBlobChunkBytes]);
+  out.clear();
+  ASSERT_TRUE(blob->ReadInto(0, bytes.size(), buffer.get(),
+                             [&](const char* data, int64_t n) {
+                               out.append(data, n);
+                               return absl::OkStatus();
+                             })
+                  .ok());
+  EXPECT_TRUE(out == bytes);
+}
+
 // The materializer's path: pread a chunk at a time, never the mapping.
 TEST_F(BlobReaderTest, ReadIntoVerifiesWhatItHandsOut) {
   std::mt19937_64 rng(5);
