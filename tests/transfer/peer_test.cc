@@ -1239,6 +1239,18 @@ TEST_F(PeerTest, ExtraFilesAreCopiedFromTheHostThatSavedThemChecked) {
   EXPECT_NE(refused.status().message().find("does not match"),
             std::string::npos)
       << refused.status();
+  // Damage on the serving host's disk: the server refuses to send the
+  // chunk, naming it, rather than leaving the receiver to find it.
+  {
+    std::fstream blob(store_->BlobPath(step.extra.at(1)[0].blob),
+                      std::ios::in | std::ios::out | std::ios::binary);
+    blob.seekp(kBlobChunkBytes + 5);
+    blob.put(static_cast<char>(state[kBlobChunkBytes + 5] ^ 0x20));
+  }
+  auto rotten = CopyExtraFile(*other, client, want);
+  EXPECT_EQ(rotten.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_NE(rotten.status().message().find("chunk 1 "), std::string::npos)
+      << rotten.status();
   RemoteExtra absent = want;
   absent.path = "rng/other.bin";
   auto missing = CopyExtraFile(*other, client, absent);
