@@ -8,7 +8,8 @@ equals numpy slicing. Each kind of bad shard fails its close() with EIO and
 `status` names the reason; the step stays uncommitted until a good file is
 written again or the step is removed. A step left unfinished at unmount is
 gone at the next mount; --keep-steps drops old steps but never an open one;
-the data views follow the newest step. Exits 77 only where /dev/fuse is
+the data views follow the newest step. Export writes each rank's extra
+files, and refuses one damaged on the disk. Exits 77 only where /dev/fuse is
 missing."""
 import errno
 import json
@@ -310,6 +311,21 @@ def main():
             assert exported_extra(f"{tmp}/out2", rank) == extra_of(rank), rank
         run("export", f"{tmp}/store2", f"{tmp}/out1", "--config", "tp=1,pp=1,dp=1")
         assert exported_extra(f"{tmp}/out1", 0) == extra_of(0)
+        # An extra file damaged on the disk is refused, naming its blob, and
+        # nothing is written.
+        rng_bytes = extra_of(0)["rng.bin"]
+        blob = next(n for n in os.listdir(f"{tmp}/store2/blobs")
+                    if open(f"{tmp}/store2/blobs/{n}", "rb").read() == rng_bytes)
+        with open(f"{tmp}/store2/blobs/{blob}", "r+b") as f:
+            f.seek(7)
+            f.write(bytes([rng_bytes[7] ^ 1]))
+        err = run("export", f"{tmp}/store2", f"{tmp}/out3", "--config", "tp=1,pp=1,dp=1",
+                  expect=1).stderr
+        assert blob in err, err
+        assert not os.path.exists(f"{tmp}/out3")
+        with open(f"{tmp}/store2/blobs/{blob}", "r+b") as f:
+            f.seek(7)
+            f.write(rng_bytes[7:8])
         os.mkfifo(f"{tmp}/out/rank-00001/extra/pipe")
         err = run("import", f"{tmp}/store2", f"{tmp}/out", "--config", "tp=2,pp=1,dp=1",
                   "--step", "351", expect=1).stderr
