@@ -10,7 +10,8 @@ direct cut; the rest of each file is an extra file that torch.load reads
 back equal to the original. `export --format megatron` under another tp and
 pp writes files torch.load reads, in Megatron's nesting, with the direct
 cut's tensors, the Adam state in Megatron's param groups and the original's
-non-tensor state; imported again, they give the same bytes. Bad input is refused with one line naming it
+non-tensor state; imported again, they give the same bytes; it refuses
+non-tensor state damaged on the disk. Bad input is refused with one line naming it
 and leaves the store without a step: a pickle that calls os.system or an
 unlisted global (and nothing ran), a truncated zip, a storage shorter than
 its tensor, a missing rank file, ranks that disagree on a shape, args that
@@ -345,6 +346,36 @@ def bad_inputs(tmp, full, seed):
           "against the config; the store kept no step")
 
 
+def remainder_damage_refused(tmp, store):
+    """A rank's non-tensor state (a blob that is not safetensors) damaged on
+    the disk: `export --format megatron` refuses it, naming the blob, and
+    writes nothing."""
+    def is_safetensors(path):
+        with open(path, "rb") as f:
+            return f.read(9)[8:] == b"{"
+    blobs = [n for n in os.listdir(f"{store}/blobs")
+             if not is_safetensors(f"{store}/blobs/{n}")]
+    assert blobs, os.listdir(f"{store}/blobs")
+    out = f"{tmp}/export-damaged"
+    for name in blobs:
+        path = f"{store}/blobs/{name}"
+        at = os.path.getsize(path) // 2
+        with open(path, "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x40]))
+        err = run("export", store, out, "--config", "tp=1,pp=1,dp=1", "--format", "megatron",
+                  expect=1).stderr
+        assert name in err, (name, err)
+        assert not os.path.exists(out), name
+        with open(path, "r+b") as f:
+            f.seek(at)
+            f.write(b)
+    print(f"the non-tensor state damaged on the disk ({len(blobs)} blob(s), each in turn): "
+          "export --format megatron refuses it")
+
+
 def main():
     require_fuse()
     seed = test_seed()
@@ -377,6 +408,8 @@ def main():
             mounts.discard(mnt)
             to_tp, to_pp = (int(other.split(",")[i].split("=")[1]) for i in (0, 1))
             round_trip(tmp, store, everything, saved, to_tp, to_pp)
+            if (tp, pp) == (1, 1):
+                remainder_damage_refused(tmp, store)
             print(f"{config} (pickle protocol {protocol}): imported as step {ITERATION}, every tensor and its Adam state "
                   f"equal the direct cut, under {other} too; the rest loads back equal; "
                   f"exported as Megatron's tp={to_tp},pp={to_pp}, torch.load reads it, "
