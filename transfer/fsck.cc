@@ -16,6 +16,7 @@
 #include "ptc/safetensors.h"
 #include "ptc/status_macros.h"
 #include "transfer/blob_checksum.h"
+#include "transfer/dataset_source.h"
 #include "xxhash.h"
 
 namespace scalai {
@@ -194,6 +195,20 @@ absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
                                shard->blobs[loc.blob], ")"));
         }
       }
+    }
+  }
+  // A jsonl dataset's line index is the store's own file, written once.
+  ASSIGN_OR_RETURN(auto datasets, store.Datasets());
+  for (const auto& [name, record] : datasets) {
+    if (record.format != "jsonl") continue;
+    absl::StatusOr<MappedFile> index =
+        MappedFile::Open(store.dataset_dir() + "/" + record.index);
+    absl::Status checked =
+        index.ok() ? CheckLineIndex(*index, record, name) : index.status();
+    if (!checked.ok()) {
+      problem(index.ok() ? std::string(checked.message())
+                         : absl::StrCat("dataset ", name, ": its line index ",
+                                        record.index, ": ", checked.message()));
     }
   }
   // A step saved here that the cluster has not committed yet keeps its

@@ -2,7 +2,8 @@
 """Malformed datasets are refused with one clear line naming the file, and
 register nothing (no record, no index file); a source file changed after
 registration is never served: reads fail with EIO and `status` names the
-file, while the mount and the other datasets go on. Exits 77 only where
+file, while the mount and the other datasets go on. A jsonl dataset's line
+index damaged in the store is named by fsck, and no mount serves from it. Exits 77 only where
 /dev/fuse is missing."""
 import errno
 import json
@@ -153,6 +154,28 @@ def main():
         ids = np.frombuffer(open(f"{mnt}/data/web/rank-00000/sample-ids.u64", "rb").read(), "<u8")
         assert len(ids) == 1 and ids[0] < 4, ids
         run("umount", mnt)
+        run("fsck", store)
+        # The store's own line index of a jsonl dataset, damaged on the
+        # disk: fsck names it, and no mount serves lines cut in the wrong
+        # places.
+        lines = [n for n in os.listdir(f"{store}/datasets") if n.endswith(".lines")]
+        assert len(lines) == 1, lines
+        index = f"{store}/datasets/{lines[0]}"
+        original = open(index, "rb").read()
+        damaged = bytearray(original)
+        damaged[8] ^= 1  # where the second line starts
+        open(index, "wb").write(bytes(damaged))
+        p = run("fsck", store, expect=1)
+        assert f"dataset web: its line index {lines[0]} does not match its checksum" in \
+            p.stdout + p.stderr, (p.stdout, p.stderr)
+        err = run("mount", store, mnt, expect=1).stderr
+        assert "dataset web: its line index" in err and "checksum" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+        open(index, "wb").write(original[:-8])
+        p = run("fsck", store, expect=1)
+        assert f"has {len(original) - 8} bytes, the record says {len(original)}" in \
+            p.stdout + p.stderr, (p.stdout, p.stderr)
+        open(index, "wb").write(original)
         run("fsck", store)
     print("dataset_errors_test: ok")
 
