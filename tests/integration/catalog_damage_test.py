@@ -22,7 +22,7 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse, synth_store  # noqa
+from harness import Mounts, flip, require_fuse, synth_store  # noqa
 from reference import scalai  # noqa
 
 BIN = sys.argv[1]
@@ -44,14 +44,6 @@ def newest_log(store):
     logs = sorted(glob.glob(f"{store}/catalog/*.log"))
     assert logs and os.path.getsize(logs[-1]) > LENGTH_HIGH_BYTE, logs
     return logs[-1]
-
-
-def flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def refused_everywhere(store, tmp, mounts, says):

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse  # noqa
+from harness import Mounts, flip, require_fuse  # noqa
 from reference import read_safetensors, scalai  # noqa
 from views import status  # noqa
 
@@ -57,14 +57,6 @@ def tensor_ranges(path):
         header = json.loads(f.read(n))
     return [(name, 8 + n + t["data_offsets"][0], 8 + n + t["data_offsets"][1])
             for name, t in header.items() if name != "__metadata__"]
-
-
-def flip(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def read(path):

@@ -118,3 +118,13 @@ class Mounts:
                 subprocess.run(["fusermount3", "-u", "-z", "-q", path],
                                stderr=subprocess.DEVNULL)
         return False
+
+
+def flip(path, offset):
+    """Inverts the byte at `offset` of the file at `path`, as damage on the
+    disk would; a second flip puts it back."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))

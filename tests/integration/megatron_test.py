@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse, test_seed  # noqa
+from harness import Mounts, flip, require_fuse, test_seed  # noqa
 from reference import random_gpt, rank_shards, scalai  # noqa
 from views import check_bytes  # noqa
 
@@ -359,19 +359,12 @@ def remainder_damage_refused(tmp, store):
     out = f"{tmp}/export-damaged"
     for name in blobs:
         path = f"{store}/blobs/{name}"
-        at = os.path.getsize(path) // 2
-        with open(path, "r+b") as f:
-            f.seek(at)
-            b = f.read(1)
-            f.seek(at)
-            f.write(bytes([b[0] ^ 0x40]))
+        flip(path, os.path.getsize(path) // 2)
         err = run("export", store, out, "--config", "tp=1,pp=1,dp=1", "--format", "megatron",
                   expect=1).stderr
         assert name in err, (name, err)
         assert not os.path.exists(out), name
-        with open(path, "r+b") as f:
-            f.seek(at)
-            f.write(b)
+        flip(path, os.path.getsize(path) // 2)  # back as it was
     print(f"the non-tensor state damaged on the disk ({len(blobs)} blob(s), each in turn): "
           "export --format megatron refuses it")
 

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse, test_seed  # noqa
+from harness import Mounts, flip, require_fuse, test_seed  # noqa
 from dataset_files import write_jsonl  # noqa
 from reference import random_gpt, scalai, write_safetensors  # noqa
 from views import check_bytes, expected, status  # noqa
@@ -316,16 +316,12 @@ def main():
         rng_bytes = extra_of(0)["rng.bin"]
         blob = next(n for n in os.listdir(f"{tmp}/store2/blobs")
                     if open(f"{tmp}/store2/blobs/{n}", "rb").read() == rng_bytes)
-        with open(f"{tmp}/store2/blobs/{blob}", "r+b") as f:
-            f.seek(7)
-            f.write(bytes([rng_bytes[7] ^ 1]))
+        flip(f"{tmp}/store2/blobs/{blob}", 7)
         err = run("export", f"{tmp}/store2", f"{tmp}/out3", "--config", "tp=1,pp=1,dp=1",
                   expect=1).stderr
         assert blob in err, err
         assert not os.path.exists(f"{tmp}/out3")
-        with open(f"{tmp}/store2/blobs/{blob}", "r+b") as f:
-            f.seek(7)
-            f.write(rng_bytes[7:8])
+        flip(f"{tmp}/store2/blobs/{blob}", 7)  # back as it was
         os.mkfifo(f"{tmp}/out/rank-00001/extra/pipe")
         err = run("import", f"{tmp}/store2", f"{tmp}/out", "--config", "tp=2,pp=1,dp=1",
                   "--step", "351", expect=1).stderr
