@@ -238,7 +238,8 @@ def main():
              "tensor decoder.layers.0.mlp.surprise.weight is not one the layout places on rank 1"),
             ("wrong dtype", safetensors_bytes(wrong_dtype), f"tensor {name} is F64, expected F32"),
             ("bad header", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all", "rank-00001/model.safetensors:"),
-            ("truncated data", whole[:-100], "rank-00001/model.safetensors:"),
+            ("truncated data", whole[:-100], "past the data section of"),
+            ("trailing bytes", whole + bytes(100), "has 100 bytes after the last tensor"),
         ]
         step_dir = f"{mnt}/ckpt/step-00000300"
         os.makedirs(f"{step_dir}/rank-00001")
