@@ -20,17 +20,19 @@ struct DatasetAddCliOptions {
 
 absl::Status RunDatasetAdd(DatasetAddCliOptions& o) {
   ASSIGN_OR_RETURN(auto store, Store::Open(o.store));
+  ASSIGN_OR_RETURN(auto before, store->Datasets());
+  const bool replacing = before.contains(o.import.name);
   ProgressBar bar("index");
   o.import.progress = bar.Callback();
   auto record = AddDataset(*store, o.import);
   bar.Finish();
   if (!record.ok()) return record.status();
   std::printf(
-      "added dataset %s (%s): %lld samples in %zu file%s, global batch %lld, "
+      "%s dataset %s (%s): %lld samples in %zu file%s, global batch %lld, "
       "%lld batches per epoch, %lld dropped per epoch, %lld epoch%s\n",
-      o.import.name.c_str(), record->format.c_str(),
-      static_cast<long long>(record->samples), o.import.files.size(),
-      o.import.files.size() == 1 ? "" : "s",
+      replacing ? "replaced" : "added", o.import.name.c_str(),
+      record->format.c_str(), static_cast<long long>(record->samples),
+      o.import.files.size(), o.import.files.size() == 1 ? "" : "s",
       static_cast<long long>(record->global_batch),
       static_cast<long long>(record->samples / record->global_batch),
       static_cast<long long>(record->samples % record->global_batch),
@@ -59,6 +61,9 @@ Command AddDatasetCommand(CLI::App& root) {
   add->add_option("--seed", o->import.seed, "seed of the order (default 1234)");
   add->add_option("--epochs", o->import.epochs, "epochs (default 1)")
       ->check(CLI::PositiveNumber);
+  add->add_flag("--replace", o->import.replace,
+                "register NAME again in place of its record (after its files "
+                "changed, or to index them again)");
   add->add_option("FILES", o->import.files,
                   "JSONL files, or Megatron .idx/.bin files or their prefix")
       ->required();

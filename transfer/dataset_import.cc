@@ -168,9 +168,14 @@ absl::StatusOr<DatasetRecord> AddDataset(Store& store,
         "': use letters, digits, '_', '-' and '.',", " not starting with '.'"));
   }
   ASSIGN_OR_RETURN(auto existing, store.Datasets());
-  if (existing.contains(o.name)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("dataset ", o.name, " already exists in ", store.dir()));
+  std::string replaced_index;
+  if (auto it = existing.find(o.name); it != existing.end()) {
+    if (!o.replace) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("dataset ", o.name, " already exists in ", store.dir(),
+                       " (--replace registers it again)"));
+    }
+    replaced_index = it->second.index;
   }
   if (o.format != "jsonl" && o.format != "megatron") {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -306,6 +311,13 @@ absl::StatusOr<DatasetRecord> AddDataset(Store& store,
   batch.Put(Table::kDatasets, o.name, Store::EncodeDataset(record));
   RETURN_IF_ERROR(store.catalog().Commit(batch));
   committed = true;
+  if (!replaced_index.empty()) {
+    // Committed already: an index left behind by a failure here is an
+    // orphan, removed when the store is next opened for writing.
+    if (unlink((store.dataset_dir() + "/" + replaced_index).c_str()) == 0) {
+      (void)SyncDir(store.dataset_dir());
+    }
+  }
   return record;
 }
 

@@ -28,6 +28,10 @@ struct DatasetImportOptions {
   int64_t global_batch = 0;
   uint64_t seed = 1234;  // Megatron's default
   int64_t epochs = 1;
+  // Registers `name` again in place of the record it has (after its source
+  // files changed, or to index them again): the new record replaces the
+  // old in one commit, and the old line index goes once nothing names it.
+  bool replace = false;
   ProgressFn progress;  // bytes of source files checked
 };
 

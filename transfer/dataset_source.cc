@@ -47,37 +47,41 @@ absl::Status CheckStamp(const FileStamp& stamp, const std::string& dataset) {
   const int64_t mtime_ns =
       int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
   if (st.st_size != stamp.size || mtime_ns != stamp.mtime_ns) {
-    return absl::DataLossError(
-        absl::StrCat("dataset ", dataset, ": source file ", stamp.path,
-                     " changed since it was registered (size ", stamp.size,
-                     " -> ", st.st_size, ", mtime ", stamp.mtime_ns, " -> ",
-                     mtime_ns, " ns); register the dataset again"));
+    return absl::DataLossError(absl::StrCat(
+        "dataset ", dataset, ": source file ", stamp.path,
+        " changed since it was registered (size ", stamp.size, " -> ",
+        st.st_size, ", mtime ", stamp.mtime_ns, " -> ", mtime_ns,
+        " ns); register it again with scalai dataset add --replace"));
   }
   return absl::OkStatus();
 }
 
-absl::Status CheckLineIndex(const MappedFile& index,
-                            const DatasetRecord& record,
-                            const std::string& dataset) {
-  if (index.size() != record.index_size) {
+absl::StatusOr<MappedFile> OpenLineIndex(const Store& store,
+                                         const DatasetRecord& record,
+                                         const std::string& dataset) {
+  auto refused = [&](absl::string_view what) {
     return absl::DataLossError(absl::StrCat(
-        "dataset ", dataset, ": its line index ", record.index, " has ",
-        index.size(), " bytes, the record says ", record.index_size));
+        "dataset ", dataset, ": its line index ", record.index, " ", what,
+        " (scalai dataset add --replace indexes its files again)"));
+  };
+  absl::StatusOr<MappedFile> index =
+      MappedFile::Open(store.dataset_dir() + "/" + record.index);
+  if (!index.ok()) {
+    return refused(
+        absl::StrCat("cannot be read (", index.status().message(), ")"));
+  }
+  if (index->size() != record.index_size) {
+    return refused(absl::StrCat("has ", index->size(),
+                                " bytes, the record says ", record.index_size));
   }
   // Hashed whole at each open (8 bytes a sample: 80 MB for ten million
   // samples, a few hundredths of a second when cached).
   uint64_t sum = 0;
-  if (!ReadMapped([&] { sum = HashChunk(index.data(), index.size()); })) {
-    return absl::DataLossError(absl::StrCat("dataset ", dataset,
-                                            ": its line index ", record.index,
-                                            " was cut short while read"));
+  if (!ReadMapped([&] { sum = HashChunk(index->data(), index->size()); })) {
+    return refused("was cut short while read");
   }
-  if (sum != record.index_xxh3) {
-    return absl::DataLossError(absl::StrCat("dataset ", dataset,
-                                            ": its line index ", record.index,
-                                            " does not match its checksum"));
-  }
-  return absl::OkStatus();
+  if (sum != record.index_xxh3) return refused("does not match its checksum");
+  return index;
 }
 
 absl::StatusOr<std::unique_ptr<DatasetSource>> DatasetSource::Open(
@@ -86,13 +90,7 @@ absl::StatusOr<std::unique_ptr<DatasetSource>> DatasetSource::Open(
   source->name_ = name;
   source->record_ = record;
   if (source->jsonl()) {
-    ASSIGN_OR_RETURN(source->index_, MappedFile::Open(store.dataset_dir() +
-                                                      "/" + record.index));
-    if (absl::Status index = CheckLineIndex(source->index_, record, name);
-        !index.ok()) {
-      return absl::DataLossError(
-          absl::StrCat(index.message(), " (run scalai fsck)"));
-    }
+    ASSIGN_OR_RETURN(source->index_, OpenLineIndex(store, record, name));
   }
   int64_t first = 0;
   int64_t index_first = 0;

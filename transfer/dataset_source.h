@@ -68,13 +68,14 @@ class DatasetSource {
 // DataLoss error naming the file and dataset when they differ.
 absl::Status CheckStamp(const FileStamp& stamp, const std::string& dataset);
 
-// A jsonl dataset's line index, the store's own file (mapped: `index`),
-// against the size and XXH3 its record gives; a DataLoss error naming the
-// dataset and the file when they differ. A damaged index would cut the
-// source into the wrong lines, and serve them as samples.
-absl::Status CheckLineIndex(const MappedFile& index,
-                            const DatasetRecord& record,
-                            const std::string& dataset);
+// A jsonl dataset's line index, the store's own file, mapped and checked
+// against the size and XXH3 its record gives: a damaged index would cut the
+// source into the wrong lines, and serve them as samples. A missing,
+// short or damaged one is a DataLoss error naming the dataset and the file,
+// and the command that indexes the files again.
+absl::StatusOr<MappedFile> OpenLineIndex(const Store& store,
+                                         const DatasetRecord& record,
+                                         const std::string& dataset);
 
 }  // namespace scalai
 

@@ -201,15 +201,8 @@ absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
   ASSIGN_OR_RETURN(auto datasets, store.Datasets());
   for (const auto& [name, record] : datasets) {
     if (record.format != "jsonl") continue;
-    absl::StatusOr<MappedFile> index =
-        MappedFile::Open(store.dataset_dir() + "/" + record.index);
-    absl::Status checked =
-        index.ok() ? CheckLineIndex(*index, record, name) : index.status();
-    if (!checked.ok()) {
-      problem(index.ok() ? std::string(checked.message())
-                         : absl::StrCat("dataset ", name, ": its line index ",
-                                        record.index, ": ", checked.message()));
-    }
+    absl::StatusOr<MappedFile> index = OpenLineIndex(store, record, name);
+    if (!index.ok()) problem(std::string(index.status().message()));
   }
   // A step saved here that the cluster has not committed yet keeps its
   // blobs (its records are checked when it commits).

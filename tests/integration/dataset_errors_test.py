@@ -3,7 +3,8 @@
 register nothing (no record, no index file); a source file changed after
 registration is never served: reads fail with EIO and `status` names the
 file, while the mount and the other datasets go on. A jsonl dataset's line
-index damaged in the store is named by fsck, and no mount serves from it. Exits 77 only where
+index damaged in the store is named by fsck, and no mount serves from it.
+`dataset add --replace` registers such a dataset again. Exits 77 only where
 /dev/fuse is missing."""
 import errno
 import json
@@ -16,7 +17,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Mounts, require_fuse  # noqa
+from harness import Mounts, flip, require_fuse  # noqa
 from dataset_files import write_jsonl, write_megatron  # noqa
 from reference import scalai  # noqa
 from views import status  # noqa
@@ -118,8 +119,9 @@ def main():
             f.write('{"c": 3}\n{"d": 4}\n')
         run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "4",
             f"{tmp}/more.jsonl")
-        run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "4",
-            f"{tmp}/more.jsonl", expect=1)  # the name is taken
+        p = run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "4",
+                f"{tmp}/more.jsonl", expect=1)
+        assert "dataset web already exists" in p.stderr and "--replace" in p.stderr, p.stderr
         run("mount", store, mnt)
         # A dp larger than a dataset's global batch is refused at the switch.
         try:
@@ -177,7 +179,48 @@ def main():
             p.stdout + p.stderr, (p.stdout, p.stderr)
         open(index, "wb").write(original)
         run("fsck", store)
+        replace_again(store, mnt, tmp, index, seqs)
     print("dataset_errors_test: ok")
+
+
+def replace_again(store, mnt, tmp, index, seqs):
+    """`dataset add --replace` registers a dataset again: the way back from
+    a source file changed or a line index damaged. A replacement refused
+    (a file missing, the store mounted) leaves the old record as it was;
+    one taken leaves one index file, the new one."""
+    web = ["dataset", "add", store, "web", "--replace", "--format", "jsonl",
+           "--global-batch", "4"]
+    flip(index, 8)
+    err = run("mount", store, mnt, expect=1).stderr
+    assert "scalai dataset add --replace indexes its files again" in err, err
+    err = run(*web, f"{tmp}/missing.jsonl", expect=1).stderr
+    assert "missing.jsonl" in err and len(err.strip().splitlines()) == 1, err
+    assert os.listdir(f"{store}/datasets") == [os.path.basename(index)]
+    p = run("fsck", store, expect=1)
+    assert "does not match its checksum" in p.stdout + p.stderr, (p.stdout, p.stderr)
+    want = write_jsonl(f"{tmp}/more.jsonl", [{"n": i} for i in range(6)])
+    out = run(*web, f"{tmp}/more.jsonl").stdout
+    assert out.startswith("replaced dataset web (jsonl): 6 samples"), out
+    lines = os.listdir(f"{store}/datasets")
+    assert len(lines) == 1 and lines[0] != os.path.basename(index), lines
+    # The source of tok changed its mtime above.
+    run("dataset", "add", store, "tok", "--replace", "--format", "megatron",
+        "--global-batch", "4", f"{tmp}/good")
+    run("fsck", store)
+    run("mount", store, mnt)
+    with open(f"{mnt}/data/web/dataset.json") as f:
+        assert json.load(f)["samples"] == 6
+    got = [open(f"{mnt}/data/web/rank-{d:05d}/samples/0", "rb").read().strip()
+           for d in range(4)]
+    assert len(set(got)) == 4 and all(g in want for g in got), (got, want)
+    assert open(f"{mnt}/data/tok/rank-00000/samples/0", "rb").read() in \
+        [s.tobytes() for s in seqs]
+    assert status(mnt)["error"] is None, status(mnt)
+    # Not while a mount serves the store.
+    err = run(*web, f"{tmp}/more.jsonl", expect=1).stderr
+    assert "in use by another scalai process" in err, err
+    run("umount", mnt)
+    print("registered again with --replace after a damaged index and changed files")
 
 
 if __name__ == "__main__":
