@@ -3,12 +3,15 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cstdarg>
 #include <fstream>
+#include <memory>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
 #include "rocksdb/db.h"
+#include "rocksdb/env.h"
 #include "rocksdb/options.h"
 #include "rocksdb/write_batch.h"
 
@@ -59,6 +62,16 @@ std::string ShardKey(int64_t step, int group) {
   return key;
 }
 
+// RocksDB's diagnostics, dropped. Its own log file's writer aborts the
+// process (an assertion in Debian's build) at the first line written after
+// a write to it failed, which a full disk does to every write, where the
+// catalog's own writes return the error for the command to name.
+class SilentLogger : public rocksdb::Logger {
+ public:
+  using rocksdb::Logger::Logv;
+  void Logv(const char*, va_list) override {}
+};
+
 int64_t StepFromKey(absl::string_view key) {
   return static_cast<int64_t>(GetBigEndian(key, 8));
 }
@@ -90,7 +103,7 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Open(const std::string& path,
       rocksdb::WALRecoveryMode::kTolerateCorruptedTailRecords;
   // The catalog is small: keep RocksDB's footprint small too.
   options.max_open_files = 64;
-  options.keep_log_file_num = 2;
+  options.info_log = std::make_shared<SilentLogger>();
   std::vector<rocksdb::ColumnFamilyDescriptor> families;
   families.emplace_back(rocksdb::kDefaultColumnFamilyName,
                         rocksdb::ColumnFamilyOptions());

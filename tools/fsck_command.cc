@@ -23,8 +23,10 @@ absl::Status RunFsck(const std::string& dir, bool repair) {
   bar.Finish();
   if (!problems.ok()) return problems.status();
   if (store->orphans_removed() > 0) {
-    std::printf("removed %d orphaned blobs left by an interrupted write\n",
-                store->orphans_removed());
+    std::printf(
+        "removed %d orphaned file%s (blobs or dataset indexes) left by an "
+        "interrupted write\n",
+        store->orphans_removed(), store->orphans_removed() == 1 ? "" : "s");
   }
   if (problems->empty()) {
     ASSIGN_OR_RETURN(auto blobs, store->Blobs());

@@ -90,7 +90,7 @@ def main():
         line = refused_everywhere(damaged, tmp, mounts, "the catalog names none")
         print(f"an older store whose only commit was lost: refused, no blob touched ({line})")
         p = scalai(BIN, "fsck", damaged, "--repair")
-        assert "removed 2 orphaned blobs" in p.stdout, p.stdout
+        assert "removed 2 orphaned files" in p.stdout, p.stdout
         assert blob_digests(damaged) == {}
         print("fsck --repair removes them when asked")
 
