@@ -24,6 +24,7 @@ from reference import scalai  # noqa
 
 BIN = sys.argv[1]
 MOUNTS = Mounts()  # the FUSE mount and the tmpfs under the store
+OLD = [{"old": i} for i in range(8)]
 
 
 def run(*args, expect=0):
@@ -39,9 +40,19 @@ def indexes(store):
     return sorted(os.listdir(f"{store}/datasets"))
 
 
-def samples_of(store, mnt):
-    """`web`'s record as a mount shows it: its sample count, and the first
-    sample of rank 0."""
+def store_with_web(store, tmp):
+    """A new store at `store` with the dataset `web` of OLD's lines; returns
+    the index files it holds."""
+    run("init", store, "--layout", "megatron-core-gpt")
+    write_jsonl(f"{tmp}/old.jsonl", OLD)
+    run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "4",
+        f"{tmp}/old.jsonl")
+    return indexes(store)
+
+
+def serves_old(store, mnt):
+    """A mount of `store` shows `web` as first registered: 8 samples, rank
+    0's first one of them."""
     run("mount", store, mnt, "--config", "tp=1,pp=1,dp=1")
     try:
         with open(f"{mnt}/data/web/dataset.json") as f:
@@ -50,7 +61,8 @@ def samples_of(store, mnt):
             first = f.read().strip()
     finally:
         run("umount", mnt)
-    return count, first
+    lines = [json.dumps(r).encode() for r in OLD]
+    assert count == len(OLD) and first in lines, (count, first)
 
 
 def big_jsonl(path, lines):
@@ -63,11 +75,7 @@ def big_jsonl(path, lines):
 def full_disk(tmp, mnt):
     fs = small_tmpfs(f"{tmp}/fs", 6 << 20, MOUNTS)
     store = f"{fs}/store"
-    run("init", store, "--layout", "megatron-core-gpt")
-    old = write_jsonl(f"{tmp}/old.jsonl", [{"old": i} for i in range(8)])
-    run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "4",
-        f"{tmp}/old.jsonl")
-    before = indexes(store)
+    before = store_with_web(store, tmp)
     # A million lines need an 8 MB index: more than the filesystem holds.
     big_jsonl(f"{tmp}/big.jsonl", 1_000_000)
     p = subprocess.run(replace(store, f"{tmp}/big.jsonl"), capture_output=True, text=True)
@@ -76,8 +84,7 @@ def full_disk(tmp, mnt):
     assert len(lines) == 1 and "No space left on device" in lines[0], p.stderr
     assert indexes(store) == before, indexes(store)
     run("fsck", store)
-    count, first = samples_of(store, mnt)
-    assert count == 8 and first in old, (count, first)
+    serves_old(store, mnt)
     print(f"full disk: {lines[0]}; the old record serves its 8 samples")
     # Filled to the last byte before the command starts: opening the catalog
     # for writing fails too, with the error, not an abort.
@@ -97,17 +104,12 @@ def full_disk(tmp, mnt):
     print(f"a disk full before it starts: {lines[0]}")
     os.unlink(f"{fs}/filler")
     run("fsck", store)
-    count, first = samples_of(store, mnt)
-    assert count == 8 and first in old, (count, first)
+    serves_old(store, mnt)
 
 
 def killed(tmp, mnt):
     store = f"{tmp}/store"
-    run("init", store, "--layout", "megatron-core-gpt")
-    old = write_jsonl(f"{tmp}/old.jsonl", [{"old": i} for i in range(8)])
-    run("dataset", "add", store, "web", "--format", "jsonl", "--global-batch", "4",
-        f"{tmp}/old.jsonl")
-    before = indexes(store)
+    before = store_with_web(store, tmp)
     big_jsonl(f"{tmp}/huge.jsonl", 8_000_000)
     # Killed once its new index exists, while it indexes.
     proc = subprocess.Popen(replace(store, f"{tmp}/huge.jsonl"),
@@ -124,8 +126,7 @@ def killed(tmp, mnt):
     p = run("fsck", store)
     assert "removed 1 orphaned file" in p.stdout, p.stdout
     assert indexes(store) == before, indexes(store)
-    count, first = samples_of(store, mnt)
-    assert count == 8 and first in old, (count, first)
+    serves_old(store, mnt)
     print("killed while indexing: the old record stands, the half-written index is gone")
 
 
