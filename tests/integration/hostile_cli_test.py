@@ -7,8 +7,9 @@ run a command, or leave the store unusable (issue 26):
 - import --step -1 is refused; steps are non-negative;
 - import of a shard whose scalai.consumed_samples is not a multiple of a
   registered dataset's global batch is refused with the reason, and so is
-  registering a dataset whose global batch the newest step's position does
-  not fall on: either would make the store unmountable;
+  registering a dataset (or registering one again, with --replace) whose
+  global batch the newest step's position does not fall on: either would
+  make the store unmountable;
 - mount --config with a dp larger than a dataset's global batch is refused
   and leaves the store's current config unchanged;
 - mount on a regular file fails, leaves no mount, and the store is free
@@ -90,6 +91,13 @@ def main():
                    "--format", "jsonl", "--global-batch", "8", expect=1)
         print("a dataset the newest position (12) does not fit:",
               one_line(p, "12", "global batch 8"))
+        p = scalai(BIN, "dataset", "add", store, "web", f"{tmp}/records.jsonl", "--replace",
+                   "--format", "jsonl", "--global-batch", "8", expect=1)
+        print("web registered again with a batch that position does not fit:",
+              one_line(p, "12", "global batch 8"))
+        web = [d for d in json.loads(scalai(BIN, "inspect", store, "--json").stdout)["datasets"]
+               if d["name"] == "web"]
+        assert len(web) == 1 and web[0]["global_batch"] == 4, web
 
         # mount --config with a dp the dataset's batch of 4 cannot feed:
         # refused, and the store keeps its config (issue 25).
