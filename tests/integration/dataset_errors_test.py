@@ -177,6 +177,11 @@ def main():
         p = run("fsck", store, expect=1)
         assert f"has {len(original) - 8} bytes, the record says {len(original)}" in \
             p.stdout + p.stderr, (p.stdout, p.stderr)
+        os.unlink(index)
+        p = run("fsck", store, expect=1)
+        assert "cannot be read (open" in p.stdout + p.stderr, (p.stdout, p.stderr)
+        err = run("mount", store, mnt, expect=1).stderr
+        assert "cannot be read" in err and "--replace" in err, err
         open(index, "wb").write(original)
         run("fsck", store)
         replace_again(store, mnt, tmp, index, seqs)
