@@ -3,10 +3,16 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdarg>
+#include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "ptc/status_macros.h"
@@ -62,6 +68,8 @@ std::string ShardKey(int64_t step, int group) {
   return key;
 }
 
+namespace {
+
 // RocksDB's diagnostics, dropped. Its own log file's writer aborts the
 // process (an assertion in Debian's build) at the first line written after
 // a write to it failed, which a full disk does to every write, where the
@@ -71,6 +79,62 @@ class SilentLogger : public rocksdb::Logger {
   using rocksdb::Logger::Logv;
   void Logv(const char*, va_list) override {}
 };
+
+// The names of the catalog's files, to tell whether its writer replaced
+// any during a reader's open.
+std::set<std::string> FileNames(const std::string& path) {
+  std::set<std::string> names;
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(path, error))
+    names.insert(entry.path().filename());
+  return names;
+}
+
+// A reader's open of a catalog that another process may be writing (a
+// mount serving the store): a RocksDB secondary instance, caught up with
+// the writer once. Every table file is opened at once (max_open_files -1),
+// so that none the writer compacts away later is missed. An open can
+// still race with the writer's flush: it reads the manifest, the writer
+// moves a log's records into a new table, records that in the manifest and
+// removes the log, and the open finds neither, while it does find the
+// commits after them, in the next log (a gap the catalog_test shows). A
+// flush always starts a new log, so an open during which no file was added
+// or removed saw none, and is kept, failed or not (a failure then is the
+// catalog's own); any other is tried again.
+rocksdb::Status OpenBesideWriter(
+    rocksdb::Options options, const std::string& path,
+    const std::vector<rocksdb::ColumnFamilyDescriptor>& families,
+    std::vector<rocksdb::ColumnFamilyHandle*>& handles, rocksdb::DB*& db) {
+  options.max_open_files = -1;
+  auto close = [&] {
+    for (rocksdb::ColumnFamilyHandle* h : handles)
+      db->DestroyColumnFamilyHandle(h);
+    handles.clear();
+    delete db;
+    db = nullptr;
+  };
+  constexpr int kTries = 20;
+  for (int tries = 0; tries < kTries; ++tries) {
+    if (tries > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10 * tries));
+    }
+    const std::set<std::string> before = FileNames(path);
+    // The secondary's own directory would hold its info log; with the
+    // logger given, nothing is written there or anywhere.
+    rocksdb::Status s = rocksdb::DB::OpenAsSecondary(
+        options, path, path + ".reader", families, &handles, &db);
+    if (s.ok()) s = db->TryCatchUpWithPrimary();
+    const bool undisturbed = FileNames(path) == before;
+    if (s.ok() && undisturbed) return s;
+    close();
+    if (undisturbed) return s;
+  }
+  return rocksdb::Status::Busy(
+      absl::StrCat("its writer replaced its files during each of ", kTries,
+                   " tries to read it"));
+}
+
+}  // namespace
 
 int64_t StepFromKey(absl::string_view key) {
   return static_cast<int64_t>(GetBigEndian(key, 8));
@@ -111,12 +175,16 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Open(const std::string& path,
     families.emplace_back(name, rocksdb::ColumnFamilyOptions());
   }
   std::unique_ptr<Catalog> catalog(new Catalog());
+  catalog->path_ = path;
+  // Read before the open: a commit the mark counts is in the log by then.
+  const std::optional<uint64_t> reached = catalog->ReadSequenceMark();
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
-  rocksdb::Status s =
-      mode == Mode::kReadOnly
-          ? rocksdb::DB::OpenForReadOnly(options, path, families, &handles,
-                                         &catalog->db_)
-          : rocksdb::DB::Open(options, path, families, &handles, &catalog->db_);
+  rocksdb::Status s;
+  if (mode == Mode::kReadOnly) {
+    s = OpenBesideWriter(options, path, families, handles, catalog->db_);
+  } else {
+    s = rocksdb::DB::Open(options, path, families, &handles, &catalog->db_);
+  }
   catalog->read_only_ = mode == Mode::kReadOnly;
   if (s.IsCorruption()) {
     return absl::DataLossError(
@@ -125,8 +193,7 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Open(const std::string& path,
   }
   if (!s.ok()) return FromRocks(s, absl::StrCat("open ", path));
   catalog->handles_ = std::move(handles);
-  catalog->path_ = path;
-  if (mode != Mode::kCreate) RETURN_IF_ERROR(catalog->CheckSequence());
+  if (mode != Mode::kCreate) RETURN_IF_ERROR(catalog->CheckSequence(reached));
   return catalog;
 }
 
@@ -145,15 +212,20 @@ void Catalog::MarkSequence() const {
   if (!written || rename(tmp.c_str(), mark.c_str()) != 0) unlink(tmp.c_str());
 }
 
-absl::Status Catalog::CheckSequence() const {
+std::optional<uint64_t> Catalog::ReadSequenceMark() const {
   std::ifstream in(SequenceMarkPath());
   uint64_t reached = 0;
-  if (!(in >> reached)) return absl::OkStatus();  // none yet (older stores)
+  if (!(in >> reached)) return std::nullopt;  // none yet (older stores)
+  return reached;
+}
+
+absl::Status Catalog::CheckSequence(std::optional<uint64_t> reached) const {
+  if (!reached) return absl::OkStatus();
   const uint64_t latest = db_->GetLatestSequenceNumber();
-  if (latest >= reached) return absl::OkStatus();
+  if (latest >= *reached) return absl::OkStatus();
   return absl::DataLossError(absl::StrCat(
       "the catalog at ", path_, " has lost commits (it ends at sequence ",
-      latest, ", commits had reached ", reached,
+      latest, ", commits had reached ", *reached,
       "): nothing was changed; restore it from a backup"));
 }
 

@@ -61,8 +61,10 @@ class Catalog {
   };
 
   enum class Mode { kReadWrite, kCreate, kReadOnly };
-  // Opens the catalog at `path`. kReadOnly skips the new manifest and the
-  // syncs that a writable open costs (a tenth of a second), and refuses Commit.
+  // Opens the catalog at `path`. kReadOnly reads it as it stood at the open,
+  // safe while another process writes it, writes nothing (skipping the new
+  // manifest and the syncs that a writable open costs, a tenth of a second)
+  // and refuses Commit.
   static absl::StatusOr<std::unique_ptr<Catalog>> Open(const std::string& path,
                                                        Mode mode);
   ~Catalog();
@@ -92,7 +94,10 @@ class Catalog {
   // for a log cut short by a crash) from one that never had them.
   std::string SequenceMarkPath() const { return path_ + ".sequence"; }
   void MarkSequence() const;
-  absl::Status CheckSequence() const;
+  std::optional<uint64_t> ReadSequenceMark() const;
+  // Whether the catalog opened holds the commits that the mark, read before
+  // the open, counted.
+  absl::Status CheckSequence(std::optional<uint64_t> reached) const;
 
   std::string path_;
   rocksdb::DB* db_ = nullptr;

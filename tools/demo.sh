@@ -76,8 +76,8 @@ if [[ -e /dev/fuse ]]; then
   echo
   echo "== Two GPUs fail: shrink to tp=1,pp=2,dp=1 while mounted. Views switch at once; =="
   echo "== the new shards are written in the background, only the bytes that must move =="
-  step "$scalai" plan --layout megatron-core-gpt --model "$model" \
-    --from tp=4,pp=1,dp=2 --to tp=1,pp=2,dp=1
+  echo "== (plan reads the store's catalog beside the mount that serves it) =="
+  step "$scalai" plan "$work/job" --to tp=1,pp=2,dp=1
   step sh -c "echo tp=1,pp=2,dp=1 > '$work/mnt/config'; cat '$work/mnt/status'; ls '$work/mnt/ckpt/latest'"
   step "$scalai" reconfigure "$work/mnt" tp=1,pp=2,dp=1 --wait
   step cat "$work/mnt/status"

@@ -134,8 +134,10 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir,
   }
   std::unique_ptr<Store> store(new Store());
   store->dir_ = dir;
-  const bool writer = access != Access::kReadOnly;
-  ASSIGN_OR_RETURN(store->lock_, Lock(dir, writer));
+  const bool writer = access == Access::kReadWrite || access == Access::kRepair;
+  if (access != Access::kCatalogOnly) {
+    ASSIGN_OR_RETURN(store->lock_, Lock(dir, writer));
+  }
   ASSIGN_OR_RETURN(
       store->catalog_,
       Catalog::Open(dir + "/catalog", writer ? Catalog::Mode::kReadWrite

@@ -167,12 +167,16 @@ class Store {
   static absl::StatusOr<std::unique_ptr<Store>> Create(const std::string& dir,
                                                        const Layout& layout);
   // kReadOnly shares the store with other readers and leaves orphans alone;
+  // no writer may start while it is open, so the blobs it reads stay.
+  // kCatalogOnly, for a command that reads the catalog and no blob
+  // (inspect, plan), takes no part in the store's lock: it sees the catalog
+  // as it stood at the open, also while a mount serves the store.
   // kReadWrite holds it alone and sweeps orphaned blobs first, unless the
   // catalog names no blob at all while blob files exist: a damaged catalog
   // looks like that, and then nothing is removed and the open fails.
   // kRepair (fsck --repair) sweeps them even then: the user has said they
   // are leftovers (of an interrupted first import).
-  enum class Access { kReadWrite, kReadOnly, kRepair };
+  enum class Access { kReadWrite, kReadOnly, kCatalogOnly, kRepair };
   static absl::StatusOr<std::unique_ptr<Store>> Open(
       const std::string& dir, Access access = Access::kReadWrite);
 

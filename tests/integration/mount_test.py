@@ -3,8 +3,9 @@
 test's own numpy writer is mounted under another config, and ls -lR, stat,
 find, du, cat, cmp, tar, numpy (a safetensors parser of its own, memmap) and
 torch.frombuffer read it; every rank's tensors must equal numpy slicing of
-the full tensors. Then 16 concurrent readers over all ranks, and the errors
-docs/reference.md and POSIX prescribe. Exits 77 (skip) only where /dev/fuse is missing."""
+the full tensors. Then 16 concurrent readers over all ranks, the errors
+docs/reference.md and POSIX prescribe, and inspect and plan reading the
+store beside the mount. Exits 77 (skip) only where /dev/fuse is missing."""
 import errno
 import json
 import os
@@ -77,6 +78,7 @@ def main():
             assert "in use by another scalai process" in p.stderr, p.stderr
             check_concurrent_readers(mnt, full)
             check_reconfigure(mnt, full)
+            check_catalog_readers(tmp, store, mnt)
         except BaseException:
             subprocess.run(["umount", "-l", mnt])  # leave no mount behind a failure
             raise
@@ -259,6 +261,53 @@ def expected_any_rank(full, config):
     tp, pp, dp = (int(config.split(k + "=")[1].split(",")[0]) for k in ("tp", "pp", "dp"))
     base = rank_shards(full, config, True, DIVISOR, LAYERS)
     return {r: base[((r // (tp * dp)) * dp) * tp + r % tp] for r in range(tp * pp * dp)}
+
+
+def check_catalog_readers(tmp, store, mnt):
+    """inspect and plan STORE read the catalog beside the mount that holds
+    the store, see what it committed and write nothing; export, which reads
+    blobs, is kept out. Readers run while the mount commits reconfigurations:
+    each sees one of the configs written."""
+    deadline = time.monotonic() + 120
+    while json.load(open(f"{mnt}/status"))["state"] != "ready":
+        assert time.monotonic() < deadline, "materialization did not finish"
+        time.sleep(0.05)
+    catalog = sorted(os.listdir(f"{store}/catalog"))
+    beside = sorted(os.listdir(store))
+    inspect = json.loads(run("inspect", store, "--json").stdout)
+    assert inspect["config"] == FINAL, inspect
+    assert [s["step"] for s in inspect["steps"]] == [100], inspect
+    plan = json.loads(run("plan", store, "--to", "tp=1,pp=1,dp=1", "--json").stdout)
+    assert (plan["from"], plan["to"]) == (FINAL, "tp=1,pp=1,dp=1"), plan
+    assert f"config    {FINAL}\n" in run("inspect", store).stdout  # the table too
+    assert (sorted(os.listdir(f"{store}/catalog")), sorted(os.listdir(store))) == (catalog, beside)
+    p = run("export", store, f"{tmp}/export", "--config", FINAL, expect=1)
+    assert "in use by another scalai process" in p.stderr, p.stderr
+    assert not os.path.exists(f"{tmp}/export")
+
+    configs = ["tp=1,pp=1,dp=1", "tp=1,pp=2,dp=1"]
+    done = threading.Event()
+
+    def switch():
+        try:
+            for i in range(30):
+                with open(f"{mnt}/config", "w") as f:
+                    f.write(configs[i % 2] + "\n")
+                time.sleep(0.05)
+        finally:
+            done.set()
+    switcher = threading.Thread(target=switch)
+    switcher.start()
+    seen, reads = set(), 0
+    while not done.is_set():
+        seen.add(json.loads(run("inspect", store, "--json").stdout)["config"])
+        reads += 1
+    switcher.join()
+    assert seen <= set(configs) | {FINAL}, seen
+    print(f"catalog readers: {reads} inspects beside 30 reconfigurations saw {sorted(seen)}")
+    assert json.loads(run("inspect", store, "--json").stdout)["config"] == configs[1]
+    with open(f"{mnt}/config", "w") as f:
+        f.write(FINAL + "\n")
 
 
 def check_reconfigure(mnt, full):

@@ -246,14 +246,16 @@ def main():
         assert "vocab_size must be set" in p.stderr, p.stderr
         assert json.loads(run("inspect", fresh, "--json").stdout)["steps"] == []
 
-        # A second process is kept out while one holds the store.
+        # A second process is kept out while one holds the store, unless it
+        # reads only the catalog.
         lock_holder = __import__("subprocess").Popen(
             ["/usr/bin/python3", "-c",
              f"import fcntl,time;f=open('{store}/LOCK','w');fcntl.flock(f,fcntl.LOCK_EX);"
              "print('locked',flush=True);time.sleep(30)"], stdout=-1)
         lock_holder.stdout.readline()
-        p = run("inspect", store, expect=1)
+        p = run("export", store, f"{tmp}/held-out", "--config", "tp=1,pp=1,dp=1", expect=1)
         assert "in use by another scalai process" in p.stderr, p.stderr
+        assert json.loads(run("inspect", store, "--json").stdout)["steps"], "inspect beside a holder"
         lock_holder.kill()
         # init refuses a non-empty directory.
         p = run("init", store, "--layout", "megatron-core-gpt", expect=1)
