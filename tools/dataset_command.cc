@@ -20,17 +20,16 @@ struct DatasetAddCliOptions {
 
 absl::Status RunDatasetAdd(DatasetAddCliOptions& o) {
   ASSIGN_OR_RETURN(auto store, Store::Open(o.store));
-  ASSIGN_OR_RETURN(auto before, store->Datasets());
-  const bool replacing = before.contains(o.import.name);
   ProgressBar bar("index");
   o.import.progress = bar.Callback();
-  auto record = AddDataset(*store, o.import);
+  auto added = AddDataset(*store, o.import);
   bar.Finish();
-  if (!record.ok()) return record.status();
+  if (!added.ok()) return added.status();
+  const DatasetRecord* record = &added->record;
   std::printf(
       "%s dataset %s (%s): %lld samples in %zu file%s, global batch %lld, "
       "%lld batches per epoch, %lld dropped per epoch, %lld epoch%s\n",
-      replacing ? "replaced" : "added", o.import.name.c_str(),
+      added->replaced ? "replaced" : "added", o.import.name.c_str(),
       record->format.c_str(), static_cast<long long>(record->samples),
       o.import.files.size(), o.import.files.size() == 1 ? "" : "s",
       static_cast<long long>(record->global_batch),

@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <set>
+#include <string>
+#include <utility>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
@@ -160,8 +162,8 @@ absl::StatusOr<std::vector<std::string>> MegatronPrefixes(
 
 }  // namespace
 
-absl::StatusOr<DatasetRecord> AddDataset(Store& store,
-                                         const DatasetImportOptions& o) {
+absl::StatusOr<AddedDataset> AddDataset(Store& store,
+                                        const DatasetImportOptions& o) {
   if (!ValidName(o.name)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "dataset name '", Excerpt(o.name),
@@ -169,7 +171,9 @@ absl::StatusOr<DatasetRecord> AddDataset(Store& store,
   }
   ASSIGN_OR_RETURN(auto existing, store.Datasets());
   std::string replaced_index;
-  if (auto it = existing.find(o.name); it != existing.end()) {
+  const auto it = existing.find(o.name);
+  const bool replacing = it != existing.end();
+  if (replacing) {
     if (!o.replace) {
       return absl::AlreadyExistsError(
           absl::StrCat("dataset ", o.name, " already exists in ", store.dir(),
@@ -318,7 +322,7 @@ absl::StatusOr<DatasetRecord> AddDataset(Store& store,
       (void)SyncDir(store.dataset_dir());
     }
   }
-  return record;
+  return AddedDataset{std::move(record), replacing};
 }
 
 }  // namespace scalai

@@ -5,7 +5,7 @@
 //
 //   DatasetImportOptions o{.name = "web", .format = "jsonl",
 //                          .files = {"a.jsonl"}, .global_batch = 512};
-//   ASSIGN_OR_RETURN(DatasetRecord record, AddDataset(*store, o));
+//   ASSIGN_OR_RETURN(AddedDataset added, AddDataset(*store, o));
 #ifndef SCALAI_TRANSFER_DATASET_IMPORT_H_
 #define SCALAI_TRANSFER_DATASET_IMPORT_H_
 
@@ -35,8 +35,12 @@ struct DatasetImportOptions {
   ProgressFn progress;  // bytes of source files checked
 };
 
-absl::StatusOr<DatasetRecord> AddDataset(Store& store,
-                                         const DatasetImportOptions& options);
+struct AddedDataset {
+  DatasetRecord record;
+  bool replaced = false;  // it took the place of a record of its name
+};
+absl::StatusOr<AddedDataset> AddDataset(Store& store,
+                                        const DatasetImportOptions& options);
 
 }  // namespace scalai
 
