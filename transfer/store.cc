@@ -56,8 +56,18 @@ bool HolderIsLeaving(const std::string& dir) {
 }
 
 absl::StatusOr<UniqueFd> Lock(const std::string& dir, bool exclusive) {
-  ASSIGN_OR_RETURN(UniqueFd fd,
-                   OpenFile(dir + "/LOCK", O_RDWR | O_CREAT, 0600));
+  const std::string path = dir + "/LOCK";
+  UniqueFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  if (!fd.valid() && errno == EROFS && !exclusive) {
+    // A store on a read-only filesystem (a snapshot, a backup, a read-only
+    // bind mount): a reader locks through a read-only descriptor, which
+    // flock takes as well, so that a writer reaching the same store through
+    // a writable path is still kept out. Where no LOCK exists, no writer
+    // has ever opened the store.
+    fd = UniqueFd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    if (!fd.valid() && errno == ENOENT) return UniqueFd();
+  }
+  if (!fd.valid()) return ErrnoError(errno, "open", path);
   // A server on its way out is waited for (10 s at most); any other holder
   // is an error at once.
   for (int tries = 0;; ++tries) {
