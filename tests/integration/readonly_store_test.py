@@ -6,7 +6,8 @@ writes (mount, import, dataset add, fsck) is refused with one line naming
 the read-only filesystem, and the store is unchanged. The readers still
 take part in the store's lock: while a mount serves the store through its
 writable path, export through the read-only one is kept out, where inspect
-and plan, which read only the catalog, read on. Exits 77 where no bind
+and plan, which read only the catalog, read on. A read-only store without
+a LOCK file (a copy made without it) is exported all the same. Exits 77 where no bind
 mount can be made (not root) or /dev/fuse is missing."""
 import filecmp
 import json
@@ -89,6 +90,10 @@ def main():
         mounts.discard(mnt)
         run("export", ro, f"{tmp}/after", "--config", OTHER)
         same_tree(f"{tmp}/after", f"{tmp}/from-rw")
+        # A copy made without the LOCK file: no writer ever opened it there.
+        os.unlink(f"{store}/LOCK")
+        run("export", ro, f"{tmp}/no-lock", "--config", OTHER)
+        same_tree(f"{tmp}/no-lock", f"{tmp}/from-rw")
         subprocess.run(["umount", ro], check=True)
         mounts.discard(ro)
         run("fsck", store)
