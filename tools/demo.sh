@@ -102,6 +102,9 @@ EOF
   step sh -c "mkdir -p '$work/mnt/ckpt/step-00000300/rank-00000'
     cp '$work/mnt/ckpt/step-00000200/rank-00004/model.safetensors' '$work/mnt/ckpt/step-00000300/rank-00000/' || cat '$work/mnt/status'"
   step rm -r "$work/mnt/ckpt/step-00000300"
+  echo "== While the job trains on, an evaluation job exports step 200 as one Hugging Face model =="
+  step "$scalai" export "$work/job" "$work/eval" --merged
+  step ls -l "$work/eval"
   step "$scalai" umount "$work/mnt"
   step "$scalai" fsck "$work/job"
 

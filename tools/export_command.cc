@@ -11,7 +11,7 @@
 #include "tools/model_options.h"
 #include "tools/progress_bar.h"
 #include "transfer/exporter.h"
-#include "transfer/store.h"
+#include "transfer/step_snapshot.h"
 
 namespace scalai {
 namespace {
@@ -26,10 +26,8 @@ struct ExportCliOptions {
 };
 
 absl::Status RunExport(const ExportCliOptions& o) {
-  ASSIGN_OR_RETURN(auto store, Store::Open(o.store, Store::Access::kReadOnly));
   ExportOptions options;
   options.out = o.out;
-  options.step = OptionalValue(o.step_option, o.step);
   options.merged = o.merged;
   options.megatron = o.format == "megatron";
   if (o.merged && options.megatron)
@@ -41,13 +39,20 @@ absl::Status RunExport(const ExportCliOptions& o) {
     ASSIGN_OR_RETURN(ParallelConfig config, ParallelConfig::Parse(o.config));
     options.config = config;
   }
+  // Taken once the options hold, and beside a mount if one serves the
+  // store: the step's blobs stay open for the export however the mount
+  // reconfigures.
+  ASSIGN_OR_RETURN(
+      StepSnapshot step,
+      StepSnapshot::Open(o.store, OptionalValue(o.step_option, o.step)));
   ProgressBar bar("export");
   options.progress = bar.Callback();
-  auto result = ExportCheckpoint(*store, options);
+  auto result = ExportCheckpoint(step, options);
   bar.Finish();
   if (!result.ok()) return result.status();
-  std::printf("exported step %lld: %d files, %s\n",
+  std::printf("exported step %lld: %d file%s, %s\n",
               static_cast<long long>(result->step), result->files,
+              result->files == 1 ? "" : "s",
               HumanBytes(result->bytes_written).c_str());
   return absl::OkStatus();
 }

@@ -20,8 +20,7 @@ struct InspectOptions {
 };
 
 absl::Status RunInspect(const InspectOptions& o) {
-  ASSIGN_OR_RETURN(auto store,
-                   Store::Open(o.store, Store::Access::kCatalogOnly));
+  ASSIGN_OR_RETURN(auto store, Store::Open(o.store, Store::Access::kReadOnly));
   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store->Steps());
   ASSIGN_OR_RETURN(auto blobs, store->Blobs());
   ASSIGN_OR_RETURN(auto datasets, store->Datasets());

@@ -80,7 +80,7 @@ void PrintTable(const LoadedModel& m, const ReshardPlan& plan,
 // The model and current config of a store (`scalai plan STORE --to C2`).
 absl::StatusOr<LoadedModel> FromStore(const std::string& dir,
                                       std::string& from) {
-  ASSIGN_OR_RETURN(auto store, Store::Open(dir, Store::Access::kCatalogOnly));
+  ASSIGN_OR_RETURN(auto store, Store::Open(dir, Store::Access::kReadOnly));
   if (store->model() == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "store ", dir, " has no model yet: import a checkpoint first"));

@@ -63,6 +63,7 @@ std::shared_ptr<const BlobReader> BlobReader::Open(
   for (size_t i = 0; i < words; ++i) blob->verified_[i] = 0;
   auto fd = OpenFile(blob->path_, O_RDONLY);
   if (!fd.ok()) {
+    blob->missing_ = absl::IsNotFound(fd.status());
     blob->damage_ = absl::DataLossError(absl::StrCat(
         blob->Where(), " cannot be opened: ", fd.status().message()));
     return blob;

@@ -48,6 +48,9 @@ class BlobReader {
   BlobReader& operator=(const BlobReader&) = delete;
 
   const std::string& name() const { return name_; }
+  // Its file did not exist at the open (a writer may have retired it since
+  // the reader's catalog named it: StepSnapshot).
+  bool missing() const { return missing_; }
   int64_t step() const { return record_.step; }
   // The recorded size.
   int64_t size() const { return record_.size; }
@@ -178,7 +181,8 @@ class BlobReader {
   int64_t chunk_bytes_ = 0;
   std::vector<uint64_t> sums_;
   absl::Status damage_;  // why the blob cannot be read at all
-  dev_t dev_ = 0;        // the file mapped, to tell it from a replacement
+  bool missing_ = false;
+  dev_t dev_ = 0;  // the file mapped, to tell it from a replacement
   ino_t ino_ = 0;
   MappedFile map_;
   // One bit a chunk: verified since the file was last seen modified.

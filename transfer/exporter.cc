@@ -33,11 +33,12 @@ struct OutputFile {
   std::vector<ShardRef> shards;
   std::map<std::string, std::string> metadata;
   // A Megatron rank file (model_optim_rng.pt) rather than safetensors: its
-  // config and step, and the remainder blob it starts from ("" for none).
+  // config and step, and the blob of the remainder it starts from (null for
+  // none).
   bool megatron = false;
   const ParallelConfig* config = nullptr;
   int64_t step = 0;
-  std::string remainder_path;
+  std::shared_ptr<const BlobReader> remainder;
 };
 
 // An output file written front to back, streamed to disk as it grows
@@ -137,9 +138,15 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
   if (file.megatron) {
     // A torch.save zip: the pickle, then each tensor as its storage's
     // record, then the storages the pickle takes from the remainder.
-    ASSIGN_OR_RETURN(MegatronRankOutput rank,
-                     BuildMegatronRank(entries, file.remainder_path,
-                                       *file.config, file.step));
+    std::optional<std::string> remainder;
+    if (file.remainder != nullptr) {
+      remainder.emplace(file.remainder->size(), '\0');
+      RETURN_IF_ERROR(
+          file.remainder->Read(remainder->data(), remainder->size(), 0));
+    }
+    ASSIGN_OR_RETURN(
+        MegatronRankOutput rank,
+        BuildMegatronRank(entries, remainder, *file.config, file.step));
     TorchArchiveWriter zip(
         "archive",
         [&](const void* data, int64_t n) { return stream.Write(data, n); },
@@ -245,11 +252,11 @@ absl::Status MakeOutDir(const std::string& dir) {
 
 // Copies the extra/ files that rank `rank` of `config` sees (the mount's
 // rule, ExtraSourceRank) into OUT/rank-R/extra/.
-absl::Status ExportExtraFiles(const Store& store, const StepRecord& step,
+absl::Status ExportExtraFiles(const StepSnapshot& snap,
                               const ParallelConfig& config, int rank,
                               const std::string& out) {
   ASSIGN_OR_RETURN(std::vector<ExtraFile> files,
-                   step.ExtraFilesSeenBy(config, rank));
+                   snap.step().ExtraFilesSeenBy(config, rank));
   for (const ExtraFile& f : files) {
     const std::string path =
         absl::StrFormat("%s/rank-%05d/extra/%s", out, rank, f.path);
@@ -259,7 +266,7 @@ absl::Status ExportExtraFiles(const Store& store, const StepRecord& step,
       if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
         return ErrnoError(errno, "create", dir);
     }
-    std::shared_ptr<const BlobReader> blob = BlobReader::Open(store, f.blob);
+    std::shared_ptr<const BlobReader> blob = snap.extra_blob(f.blob);
     RETURN_IF_ERROR(blob->Verify(0, blob->size()));
     ASSIGN_OR_RETURN(UniqueFd fd,
                      OpenFile(path, O_WRONLY | O_CREAT | O_EXCL, 0644));
@@ -270,11 +277,11 @@ absl::Status ExportExtraFiles(const Store& store, const StepRecord& step,
 
 }  // namespace
 
-absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
+absl::StatusOr<ExportResult> ExportCheckpoint(const StepSnapshot& snap,
                                               const ExportOptions& o) {
-  ASSIGN_OR_RETURN(StepRecord step, store.ResolveStep(o.step));
-  ASSIGN_OR_RETURN(std::shared_ptr<const Placement> from,
-                   store.StepPlacement(step));
+  const Store& store = snap.store();
+  const StepRecord& step = snap.step();
+  const std::shared_ptr<const Placement>& from = snap.placement();
   std::shared_ptr<const Placement> to;
   std::vector<OutputFile> files;
   if (o.merged) {
@@ -324,11 +331,8 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
         ASSIGN_OR_RETURN(std::vector<ExtraFile> extras,
                          step.ExtraFilesSeenBy(c, rank));
         for (const ExtraFile& f : extras) {
-          if (f.path != kMegatronRemainderPath) continue;
-          std::shared_ptr<const BlobReader> blob =
-              BlobReader::Open(store, f.blob);
-          RETURN_IF_ERROR(blob->Verify(0, blob->size()));
-          file.remainder_path = store.BlobPath(f.blob);
+          if (f.path == kMegatronRemainderPath)
+            file.remainder = snap.extra_blob(f.blob);
         }
       }
       for (size_t k = 0; k < to->shards(g).size(); ++k) {
@@ -341,7 +345,7 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
     }
   }
   ASSIGN_OR_RETURN(ReshardPlan plan, ReshardPlan::Create(from, to));
-  ASSIGN_OR_RETURN(StepBytes src, StepBytes::Load(store, step, *from));
+  const StepBytes& src = snap.bytes();
 
   RETURN_IF_ERROR(MakeOutDir(o.out));
   // The directory is new (or was empty): a failed export (a damaged blob, a
@@ -378,8 +382,7 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
   } else if (!o.merged) {
     const ParallelConfig& c = *o.config;
     for (int g = 0; g < c.num_shard_groups(); ++g) {
-      RETURN_IF_ERROR(
-          ExportExtraFiles(store, step, c, c.SaverOfGroup(g), o.out));
+      RETURN_IF_ERROR(ExportExtraFiles(snap, c, c.SaverOfGroup(g), o.out));
     }
   }
   if (o.merged) {

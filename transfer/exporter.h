@@ -1,10 +1,13 @@
 // Exports a stored step as per-rank shards for any config (the bytes the mount
 // shows, extra/ files included), as a Megatron-LM checkpoint for any config,
-// or as the full model in a Hugging Face sharded directory. Output
-// files are written under temporary names, fsynced and renamed.
+// or as the full model in a Hugging Face sharded directory. The step is read
+// from a StepSnapshot, so a mount serving the store may go on beside the
+// export. Output files are written under temporary names, fsynced and
+// renamed.
 //
+//   ASSIGN_OR_RETURN(StepSnapshot step, StepSnapshot::Open("/data/job", {}));
 //   ExportOptions o{.out = "out", .config = config};
-//   ASSIGN_OR_RETURN(ExportResult r, ExportCheckpoint(*store, o));
+//   ASSIGN_OR_RETURN(ExportResult r, ExportCheckpoint(step, o));
 #ifndef SCALAI_TRANSFER_EXPORTER_H_
 #define SCALAI_TRANSFER_EXPORTER_H_
 
@@ -15,13 +18,12 @@
 #include "absl/status/statusor.h"
 #include "ptc/parallel_config.h"
 #include "transfer/parallel.h"
-#include "transfer/store.h"
+#include "transfer/step_snapshot.h"
 
 namespace scalai {
 
 struct ExportOptions {
   std::string out;
-  std::optional<int64_t> step;  // default: the newest
   // Per-rank shards for this config; ignored with `merged`.
   std::optional<ParallelConfig> config;
   bool merged = false;
@@ -40,7 +42,7 @@ struct ExportResult {
   int64_t bytes_written = 0;
 };
 
-absl::StatusOr<ExportResult> ExportCheckpoint(const Store& store,
+absl::StatusOr<ExportResult> ExportCheckpoint(const StepSnapshot& step,
                                               const ExportOptions& options);
 
 }  // namespace scalai

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -82,15 +83,15 @@ struct MegatronRankOutput {
   std::vector<std::pair<std::string, std::string>> storages;
 };
 
-// Builds a rank's file for `config` at iteration `step`: the remainder at
-// `remainder_path` (empty: none, a minimal one is made) with args'
+// Builds a rank's file for `config` at iteration `step`: the remainder
+// (a torch.save file's bytes; unset: none, a minimal one is made) with args'
 // tensor_model_parallel_size and pipeline_model_parallel_size set to the
 // config's, its model the shard's parameters, and its optimizer state
 // (`optimizer.KEY.PARAM` tensors) put back where Megatron keeps it, in its
 // param groups.
 absl::StatusOr<MegatronRankOutput> BuildMegatronRank(
     const std::vector<SafetensorsEntry>& tensors,
-    const std::string& remainder_path, const ParallelConfig& config,
+    const std::optional<std::string>& remainder, const ParallelConfig& config,
     int64_t step);
 
 // "iter_0000100/mp_rank_01_002/model_optim_rng.pt".

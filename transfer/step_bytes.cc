@@ -53,6 +53,14 @@ absl::StatusOr<StepBytes> StepBytes::Load(const Store& store,
   return out;
 }
 
+std::set<std::string> StepBytes::MissingBlobs() const {
+  std::set<std::string> missing;
+  for (const auto& [name, blob] : blobs_) {
+    if (blob->missing()) missing.insert(name);
+  }
+  return missing;
+}
+
 absl::StatusOr<StepBytes> StepBytes::LoadRetained(const Store& store,
                                                   int64_t step,
                                                   const RetainedShards& kept,

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -75,6 +76,8 @@ class StepBytes {
   const Tensor& tensor(ShardRef ref) const {
     return tensors_[ref.group][ref.shard];
   }
+  // The blobs whose files were gone when it was loaded.
+  std::set<std::string> MissingBlobs() const;
 
  private:
   // Adds group `g` as `record` locates it, or as not held when null.

@@ -55,25 +55,15 @@ bool HolderIsLeaving(const std::string& dir) {
   return MountedDevice(mountpoint).empty();
 }
 
-absl::StatusOr<UniqueFd> Lock(const std::string& dir, bool exclusive) {
+// The store's writer lock, held for as long as the descriptor stays open.
+absl::StatusOr<UniqueFd> Lock(const std::string& dir) {
   const std::string path = dir + "/LOCK";
   UniqueFd fd(open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
-  if (!fd.valid() && errno == EROFS && !exclusive) {
-    // A store on a read-only filesystem (a snapshot, a backup, a read-only
-    // bind mount): a reader locks through a read-only descriptor, which
-    // flock takes as well, so that a writer reaching the same store through
-    // a writable path is still kept out. Where no LOCK exists, no writer
-    // has ever opened the store.
-    fd = UniqueFd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
-    if (!fd.valid() && errno == ENOENT) return UniqueFd();
-  }
   if (!fd.valid()) return ErrnoError(errno, "open", path);
   // A server on its way out is waited for (10 s at most); any other holder
   // is an error at once.
   for (int tries = 0;; ++tries) {
-    if (flock(fd.get(), (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB) == 0) {
-      return fd;
-    }
+    if (flock(fd.get(), LOCK_EX | LOCK_NB) == 0) return fd;
     if (errno != EWOULDBLOCK) return ErrnoError(errno, "lock", dir + "/LOCK");
     if (tries >= 500 || !HolderIsLeaving(dir)) {
       return absl::FailedPreconditionError(
@@ -107,7 +97,7 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Create(const std::string& dir,
   }
   std::unique_ptr<Store> store(new Store());
   store->dir_ = dir;
-  ASSIGN_OR_RETURN(store->lock_, Lock(dir, /*exclusive=*/true));
+  ASSIGN_OR_RETURN(store->lock_, Lock(dir));
   ASSIGN_OR_RETURN(store->catalog_,
                    Catalog::Open(dir + "/catalog", Catalog::Mode::kCreate));
   Catalog::Batch batch;
@@ -144,9 +134,9 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir,
   }
   std::unique_ptr<Store> store(new Store());
   store->dir_ = dir;
-  const bool writer = access == Access::kReadWrite || access == Access::kRepair;
-  if (access != Access::kCatalogOnly) {
-    ASSIGN_OR_RETURN(store->lock_, Lock(dir, writer));
+  const bool writer = access != Access::kReadOnly;
+  if (writer) {
+    ASSIGN_OR_RETURN(store->lock_, Lock(dir));
   }
   ASSIGN_OR_RETURN(
       store->catalog_,

@@ -2,7 +2,8 @@
 // RocksDB catalog and immutable blob files. A step's shards live in blobs that
 // are fully written and fsynced before the one catalog batch that names them
 // commits; blobs that no record names (a crash's leftovers) are removed when
-// the store is opened. One process at a time holds a store (a lock file).
+// the store is opened. One writer at a time holds a store (a lock file);
+// readers take no lock.
 //
 //   ASSIGN_OR_RETURN(auto store, Store::Open("/data/job"));
 //   ASSIGN_OR_RETURN(std::vector<StepRecord> steps, store->Steps());
@@ -166,17 +167,18 @@ class Store {
   // Makes a new store at `dir` (absent or empty), mode 0700.
   static absl::StatusOr<std::unique_ptr<Store>> Create(const std::string& dir,
                                                        const Layout& layout);
-  // kReadOnly shares the store with other readers and leaves orphans alone;
-  // no writer may start while it is open, so the blobs it reads stay.
-  // kCatalogOnly, for a command that reads the catalog and no blob
-  // (inspect, plan), takes no part in the store's lock: it sees the catalog
-  // as it stood at the open, also while a mount serves the store.
+  // kReadOnly takes no part in the store's lock and writes nothing: it sees
+  // the catalog as it stood at the open, also while a writer (a mount)
+  // serves the store, and leaves orphans alone. A writer may retire a
+  // step's blobs after that (a reconfiguration, a step removed): a reader
+  // of blobs takes the step with StepSnapshot (step_snapshot.h), which
+  // holds them from then on.
   // kReadWrite holds it alone and sweeps orphaned blobs first, unless the
   // catalog names no blob at all while blob files exist: a damaged catalog
   // looks like that, and then nothing is removed and the open fails.
   // kRepair (fsck --repair) sweeps them even then: the user has said they
   // are leftovers (of an interrupted first import).
-  enum class Access { kReadWrite, kReadOnly, kCatalogOnly, kRepair };
+  enum class Access { kReadWrite, kReadOnly, kRepair };
   static absl::StatusOr<std::unique_ptr<Store>> Open(
       const std::string& dir, Access access = Access::kReadWrite);
 

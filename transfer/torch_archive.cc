@@ -27,6 +27,14 @@ void Put64(std::string& out, uint64_t v) {
 
 constexpr uint32_t kMax32 = 0xffffffff;
 
+// The error for a file libzip cannot open; `e` is finished here.
+absl::Status NotAZip(const std::string& label, zip_error_t& e) {
+  std::string why = zip_error_strerror(&e);
+  zip_error_fini(&e);
+  return absl::InvalidArgumentError(
+      absl::StrCat(label, ": not a readable torch.save zip (", why, ")"));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<TorchArchive>> TorchArchive::Open(
@@ -36,12 +44,35 @@ absl::StatusOr<std::unique_ptr<TorchArchive>> TorchArchive::Open(
   if (z == nullptr) {
     zip_error_t e;
     zip_error_init_with_code(&e, error);
-    std::string why = zip_error_strerror(&e);
-    zip_error_fini(&e);
-    return absl::InvalidArgumentError(
-        absl::StrCat(label, ": not a readable torch.save zip (", why, ")"));
+    return NotAZip(label, e);
   }
-  std::unique_ptr<TorchArchive> archive(new TorchArchive(z, std::move(label)));
+  return Adopt(std::unique_ptr<TorchArchive>(new TorchArchive(z, label)));
+}
+
+absl::StatusOr<std::unique_ptr<TorchArchive>> TorchArchive::FromBytes(
+    std::string bytes, std::string label) {
+  // The archive reads from the string it owns, so the source's bytes stay
+  // where they are for as long as it lives.
+  auto owned = std::make_unique<std::string>(std::move(bytes));
+  zip_error_t e;
+  zip_error_init(&e);
+  zip_source_t* source =
+      zip_source_buffer_create(owned->data(), owned->size(), 0, &e);
+  if (source == nullptr) return NotAZip(label, e);
+  zip* z = zip_open_from_source(source, ZIP_RDONLY | ZIP_CHECKCONS, &e);
+  if (z == nullptr) {
+    zip_source_free(source);
+    return NotAZip(label, e);
+  }
+  zip_error_fini(&e);
+  std::unique_ptr<TorchArchive> archive(new TorchArchive(z, label));
+  archive->bytes_ = std::move(owned);
+  return Adopt(std::move(archive));
+}
+
+absl::StatusOr<std::unique_ptr<TorchArchive>> TorchArchive::Adopt(
+    std::unique_ptr<TorchArchive> archive) {
+  zip* z = archive->zip_;
   // torch names every record NAME/...; NAME is the first record's directory.
   const zip_int64_t entries = zip_get_num_entries(z, 0);
   if (entries <= 0) return archive->Error("is an empty zip");

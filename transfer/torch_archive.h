@@ -33,6 +33,9 @@ class TorchArchive {
   // `label` names the file in errors.
   static absl::StatusOr<std::unique_ptr<TorchArchive>> Open(
       const std::string& path, std::string label);
+  // The same over a file's bytes held in memory.
+  static absl::StatusOr<std::unique_ptr<TorchArchive>> FromBytes(
+      std::string bytes, std::string label);
   TorchArchive(const TorchArchive&) = delete;
   TorchArchive& operator=(const TorchArchive&) = delete;
   ~TorchArchive();
@@ -56,6 +59,9 @@ class TorchArchive {
  private:
   TorchArchive(zip* archive, std::string label)
       : zip_(archive), label_(std::move(label)) {}
+  // Finds the prefix of an archive just opened.
+  static absl::StatusOr<std::unique_ptr<TorchArchive>> Adopt(
+      std::unique_ptr<TorchArchive> archive);
   absl::Status Error(const std::string& what) const;
   // Record `full` of `size` bytes into `out`, whole and CRC-checked.
   absl::Status ReadInto(const std::string& full, int64_t index, uint64_t size,
@@ -64,6 +70,7 @@ class TorchArchive {
   zip* zip_;
   std::string label_;
   std::string prefix_;
+  std::unique_ptr<std::string> bytes_;  // what FromBytes reads
 };
 
 // Writes a torch.save zip front to back: records in the order added, each

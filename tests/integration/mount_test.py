@@ -7,11 +7,13 @@ the full tensors. Then 16 concurrent readers over all ranks, the errors
 docs/reference.md and POSIX prescribe, and inspect and plan reading the
 store beside the mount. Exits 77 (skip) only where /dev/fuse is missing."""
 import errno
+import filecmp
 import json
 import os
 import random
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -78,7 +80,7 @@ def main():
             assert "in use by another scalai process" in p.stderr, p.stderr
             check_concurrent_readers(mnt, full)
             check_reconfigure(mnt, full)
-            check_catalog_readers(tmp, store, mnt)
+            check_readers_beside_mount(tmp, store, mnt)
         except BaseException:
             subprocess.run(["umount", "-l", mnt])  # leave no mount behind a failure
             raise
@@ -263,11 +265,12 @@ def expected_any_rank(full, config):
     return {r: base[((r // (tp * dp)) * dp) * tp + r % tp] for r in range(tp * pp * dp)}
 
 
-def check_catalog_readers(tmp, store, mnt):
-    """inspect and plan STORE read the catalog beside the mount that holds
-    the store, see what it committed and write nothing; export, which reads
-    blobs, is kept out. Readers run while the mount commits reconfigurations:
-    each sees one of the configs written."""
+def check_readers_beside_mount(tmp, store, mnt):
+    """inspect, plan STORE and export read the store beside the mount that
+    holds it, and write nothing to it; an export under the mounted config is
+    the mount's own files. Readers run on while the mount commits
+    reconfigurations that retire the step's blobs: each inspect sees one of
+    the configs written, and each export is the step whole."""
     deadline = time.monotonic() + 120
     while json.load(open(f"{mnt}/status"))["state"] != "ready":
         assert time.monotonic() < deadline, "materialization did not finish"
@@ -280,12 +283,16 @@ def check_catalog_readers(tmp, store, mnt):
     plan = json.loads(run("plan", store, "--to", "tp=1,pp=1,dp=1", "--json").stdout)
     assert (plan["from"], plan["to"]) == (FINAL, "tp=1,pp=1,dp=1"), plan
     assert f"config    {FINAL}\n" in run("inspect", store).stdout  # the table too
+    reference = f"{tmp}/export"
+    run("export", store, reference, "--config", FINAL)
+    ranks = sorted(os.listdir(reference))
+    assert ranks == [f"rank-{r:05d}" for r in range(4)], ranks
+    for rank in ranks:
+        assert filecmp.cmp(f"{reference}/{rank}/model.safetensors",
+                           f"{mnt}/ckpt/latest/{rank}/model.safetensors", shallow=False), rank
     assert (sorted(os.listdir(f"{store}/catalog")), sorted(os.listdir(store))) == (catalog, beside)
-    p = run("export", store, f"{tmp}/export", "--config", FINAL, expect=1)
-    assert "in use by another scalai process" in p.stderr, p.stderr
-    assert not os.path.exists(f"{tmp}/export")
 
-    configs = ["tp=1,pp=1,dp=1", "tp=1,pp=2,dp=1"]
+    configs = ["tp=1,pp=1,dp=1", "tp=2,pp=1,dp=1"]
     done = threading.Event()
 
     def switch():
@@ -301,10 +308,17 @@ def check_catalog_readers(tmp, store, mnt):
     seen, reads = set(), 0
     while not done.is_set():
         seen.add(json.loads(run("inspect", store, "--json").stdout)["config"])
+        out = f"{tmp}/export-{reads}"
+        run("export", store, out, "--config", FINAL)
+        for rank in ranks:
+            assert filecmp.cmp(f"{reference}/{rank}/model.safetensors",
+                               f"{out}/{rank}/model.safetensors", shallow=False), (reads, rank)
+        shutil.rmtree(out)
         reads += 1
     switcher.join()
     assert seen <= set(configs) | {FINAL}, seen
-    print(f"catalog readers: {reads} inspects beside 30 reconfigurations saw {sorted(seen)}")
+    print(f"readers: {reads} inspects and exports beside 30 reconfigurations; "
+          f"the inspects saw {sorted(seen)}, every export the step whole")
     assert json.loads(run("inspect", store, "--json").stdout)["config"] == configs[1]
     with open(f"{mnt}/config", "w") as f:
         f.write(FINAL + "\n")

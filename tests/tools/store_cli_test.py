@@ -221,6 +221,12 @@ def main():
             f.write(bytes([b[0] ^ 0x40]))
         p = run("fsck", store, expect=1)
         assert blobs[0] in p.stderr and "checksum" in p.stderr, p.stderr
+        with open(victim, "r+b") as f:  # back as it was
+            f.seek(os.path.getsize(victim) - 3)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x40]))
+        run("fsck", store)
 
         # Shards written by scalai synth, against slicing of its --full model.
         synth_model = (f"layers={LAYERS},hidden={HIDDEN},heads={HEADS},groups={GROUPS},"
@@ -246,15 +252,17 @@ def main():
         assert "vocab_size must be set" in p.stderr, p.stderr
         assert json.loads(run("inspect", fresh, "--json").stdout)["steps"] == []
 
-        # A second process is kept out while one holds the store, unless it
-        # reads only the catalog.
+        # A second writer is kept out while one holds the store; readers
+        # (inspect, export) read beside it.
         lock_holder = __import__("subprocess").Popen(
             ["/usr/bin/python3", "-c",
              f"import fcntl,time;f=open('{store}/LOCK','w');fcntl.flock(f,fcntl.LOCK_EX);"
              "print('locked',flush=True);time.sleep(30)"], stdout=-1)
         lock_holder.stdout.readline()
-        p = run("export", store, f"{tmp}/held-out", "--config", "tp=1,pp=1,dp=1", expect=1)
+        p = run("import", store, src, "--config", "tp=3,pp=2,dp=2,stages=2:3", "--step", "10",
+                expect=1)
         assert "in use by another scalai process" in p.stderr, p.stderr
+        check_export(store, full, "tp=1,pp=1,dp=1", f"{tmp}/held-out")
         assert json.loads(run("inspect", store, "--json").stdout)["steps"], "inspect beside a holder"
         lock_holder.kill()
         # init refuses a non-empty directory.

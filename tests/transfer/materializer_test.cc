@@ -90,7 +90,9 @@ class MaterializerTest : public ::testing::Test {
     ExportOptions o;
     o.out = (dir_ / name).string();
     o.config = config;
-    EXPECT_TRUE(ExportCheckpoint(*store_, o).ok());
+    auto step = StepSnapshot::Take(*store_, std::nullopt);
+    EXPECT_TRUE(step.ok()) << step.status();
+    EXPECT_TRUE(ExportCheckpoint(*step, o).ok());
     std::string all;
     for (int g = 0; g < config.num_shard_groups(); ++g) {
       const int rank = config.Rank({g % config.tp(), 0, g / config.tp()});
