@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -19,6 +20,7 @@
 #include "ptc/safetensors.h"
 #include "tools/synth.h"
 #include "transfer/importer.h"
+#include "transfer/materializer.h"
 
 namespace scalai {
 
@@ -93,6 +95,24 @@ class StoreFixture : public ::testing::Test {
       EXPECT_EQ(*got, std::min(chunk, n.size - at));
     }
     return out;
+  }
+
+  std::string store_dir() const { return (dir_ / "store").string(); }
+
+  // The step stored anew under `config` and committed, as a mount does when
+  // its config is rewritten; returns the blobs that retired (removed).
+  std::set<std::string> Reconfigure(const char* config) {
+    auto m =
+        Materialization::Write(*store_, *ParallelConfig::Parse(config), {});
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return {};
+    EXPECT_TRUE(m->Commit(*store_).ok());
+    const std::set<std::string> freed(m->blobs_freed().begin(),
+                                      m->blobs_freed().end());
+    EXPECT_FALSE(freed.empty());
+    for (const std::string& name : freed)
+      EXPECT_FALSE(fs::exists(store_->BlobPath(name))) << name;
+    return freed;
   }
 
   // Rank `rank`'s model.safetensors under `config`, as synth cuts it

@@ -60,13 +60,23 @@ absl::StatusOr<std::optional<std::string>> CheckBlob(const std::string& path,
   return std::nullopt;
 }
 
-absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
-                                                    ProgressFn progress_fn) {
-  std::vector<std::string> problems;
+namespace {
+
+// What is wrong, and the file behind it when the file was not found (for
+// CheckStoreBesideWriter to tell a file retired from a file lost).
+struct Problem {
+  std::string text;
+  std::string gone_blob;
+  std::string gone_index;
+};
+
+absl::StatusOr<std::vector<Problem>> FindProblems(const Store& store,
+                                                  ProgressFn progress_fn) {
+  std::vector<Problem> problems;
   std::mutex mu;  // guards problems while blobs are hashed in parallel
-  auto problem = [&](std::string p) {
+  auto problem = [&](std::string text, std::string gone_blob = "") {
     std::lock_guard<std::mutex> lock(mu);
-    problems.push_back(std::move(p));
+    problems.push_back({std::move(text), std::move(gone_blob), ""});
   };
   ASSIGN_OR_RETURN(auto blobs, store.Blobs());
   std::vector<std::pair<std::string, BlobRecord>> list(blobs.begin(),
@@ -79,8 +89,9 @@ absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
         const auto& [name, record] = list[i];
         auto size = FileSize(store.BlobPath(name));
         if (!size.ok()) {
-          problem(absl::StrCat("blob ", name, " (step ", record.step,
-                               "): missing"));
+          problem(
+              absl::StrCat("blob ", name, " (step ", record.step, "): missing"),
+              absl::IsNotFound(size.status()) ? name : "");
           return absl::OkStatus();
         }
         if (*size != record.size) {
@@ -91,7 +102,8 @@ absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
         }
         auto wrong = CheckBlob(store.BlobPath(name), record, &progress);
         if (!wrong.ok()) {
-          problem(absl::StrCat("blob ", name, ": ", wrong.status().message()));
+          problem(absl::StrCat("blob ", name, ": ", wrong.status().message()),
+                  absl::IsNotFound(wrong.status()) ? name : "");
         } else if (*wrong) {
           problem(absl::StrCat("blob ", name, " (step ", record.step,
                                "): ", **wrong));
@@ -165,10 +177,11 @@ absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
                 ? ReadSafetensorsHeader(store.BlobPath(b))
                 : absl::StatusOr<SafetensorsHeader>(absl::NotFoundError(""));
         if (!h.ok()) {
-          problem(absl::StrCat(
-              "step ", step.step, " group ", g, ": blob ", b,
-              blobs.contains(b) ? " has a bad header: " : " is not recorded",
-              h.status().message()));
+          problem(absl::StrCat("step ", step.step, " group ", g, ": blob ", b,
+                               blobs.contains(b) ? " has a bad header: "
+                                                 : " is not recorded",
+                               h.status().message()),
+                  blobs.contains(b) && absl::IsNotFound(h.status()) ? b : "");
           headers.emplace_back();
         } else {
           headers.emplace_back(*std::move(h));
@@ -202,7 +215,10 @@ absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
   for (const auto& [name, record] : datasets) {
     if (record.format != "jsonl") continue;
     absl::StatusOr<MappedFile> index = OpenLineIndex(store, record, name);
-    if (!index.ok()) problem(std::string(index.status().message()));
+    if (index.ok()) continue;
+    problem(std::string(index.status().message()));
+    if (!FileSize(store.dataset_dir() + "/" + record.index).ok())
+      problems.back().gone_index = record.index;
   }
   // A step saved here that the cluster has not committed yet keeps its
   // blobs (its records are checked when it commits).
@@ -217,6 +233,49 @@ absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
     }
   }
   return problems;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
+                                                    ProgressFn progress) {
+  ASSIGN_OR_RETURN(std::vector<Problem> found,
+                   FindProblems(store, std::move(progress)));
+  std::vector<std::string> problems;
+  for (Problem& p : found) problems.push_back(std::move(p.text));
+  return problems;
+}
+
+absl::StatusOr<CheckBesideWriter> CheckStoreBesideWriter(
+    const StoreOpener& open_store, ProgressFn progress) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Store> store, open_store());
+  CheckBesideWriter out;
+  ASSIGN_OR_RETURN(auto blobs, store->Blobs());
+  out.blobs = blobs.size();
+  ASSIGN_OR_RETURN(std::vector<Problem> found,
+                   FindProblems(*store, std::move(progress)));
+  const bool any_gone =
+      std::any_of(found.begin(), found.end(), [](const Problem& p) {
+        return !p.gone_blob.empty() || !p.gone_index.empty();
+      });
+  std::map<std::string, BlobRecord> named_blobs;
+  std::set<std::string> named_indexes;
+  if (any_gone) {
+    ASSIGN_OR_RETURN(std::unique_ptr<Store> later, open_store());
+    ASSIGN_OR_RETURN(named_blobs, later->Blobs());
+    ASSIGN_OR_RETURN(auto datasets, later->Datasets());
+    for (const auto& [name, d] : datasets) named_indexes.insert(d.index);
+  }
+  std::set<std::string> retired;
+  for (Problem& p : found) {
+    if (!p.gone_blob.empty() && !named_blobs.contains(p.gone_blob)) {
+      retired.insert(p.gone_blob);
+    } else if (p.gone_index.empty() || named_indexes.contains(p.gone_index)) {
+      out.problems.push_back(std::move(p.text));
+    }
+  }
+  out.retired = retired.size();
+  return out;
 }
 
 }  // namespace scalai

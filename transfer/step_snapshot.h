@@ -12,7 +12,6 @@
 #define SCALAI_TRANSFER_STEP_SNAPSHOT_H_
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -44,7 +43,6 @@ class StepSnapshot {
   static absl::StatusOr<StepSnapshot> Open(const std::string& dir,
                                            std::optional<int64_t> step);
   // The same with each try's store opened by `open_store`.
-  using StoreOpener = std::function<absl::StatusOr<std::unique_ptr<Store>>()>;
   static absl::StatusOr<StepSnapshot> Open(const StoreOpener& open_store,
                                            std::optional<int64_t> step);
   // Takes step `step` (the newest when unset) of a store this process has

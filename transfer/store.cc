@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -44,6 +45,9 @@ absl::StatusOr<json> ParseRecord(const std::string& text,
 }
 
 constexpr char kServedAt[] = "SERVED_AT";
+// Marks the error of an open refused because another process holds the
+// store (Store::HeldByAnother).
+constexpr char kHeldPayload[] = "scalai/store-held";
 
 // Whether the process holding the store is a mount server whose mount is
 // gone: `umount` returns when the kernel lets go of the mount point, a beat
@@ -66,8 +70,10 @@ absl::StatusOr<UniqueFd> Lock(const std::string& dir) {
     if (flock(fd.get(), LOCK_EX | LOCK_NB) == 0) return fd;
     if (errno != EWOULDBLOCK) return ErrnoError(errno, "lock", dir + "/LOCK");
     if (tries >= 500 || !HolderIsLeaving(dir)) {
-      return absl::FailedPreconditionError(
+      absl::Status held = absl::FailedPreconditionError(
           absl::StrCat("store ", dir, " is in use by another scalai process"));
+      held.SetPayload(kHeldPayload, absl::Cord());
+      return held;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -123,6 +129,10 @@ absl::Status Store::NoteServedAt(const std::string& mountpoint) const {
   if (rename(tmp.c_str(), file.c_str()) != 0)
     return ErrnoError(errno, "rename", tmp);
   return absl::OkStatus();
+}
+
+bool Store::HeldByAnother(const absl::Status& status) {
+  return status.GetPayload(kHeldPayload).has_value();
 }
 
 absl::StatusOr<std::unique_ptr<Store>> Store::Open(const std::string& dir,

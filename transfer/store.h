@@ -12,6 +12,7 @@
 #define SCALAI_TRANSFER_STORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -162,6 +163,12 @@ struct DatasetRecord {
   std::optional<uint64_t> content_xxh3;
 };
 
+class Store;
+
+// Opens a store, each time it is called: for a reader that may have to read
+// the catalog again because a writer changed the store meanwhile.
+using StoreOpener = std::function<absl::StatusOr<std::unique_ptr<Store>>()>;
+
 class Store {
  public:
   // Makes a new store at `dir` (absent or empty), mode 0700.
@@ -181,6 +188,9 @@ class Store {
   enum class Access { kReadWrite, kReadOnly, kRepair };
   static absl::StatusOr<std::unique_ptr<Store>> Open(
       const std::string& dir, Access access = Access::kReadWrite);
+  // Whether `status` is Open's refusal of a writer because another process
+  // (a mount) holds the store.
+  static bool HeldByAnother(const absl::Status& status);
 
   const std::string& dir() const { return dir_; }
   // Records that a mount server serves this store at `mountpoint`: an open

@@ -138,6 +138,8 @@ def main():
             run("reconfigure", mnt, SAVED, "--wait")
             assert tensors(f"{step}/rank-00000/model.safetensors") == want[0], kind
             assert read_errno(f"{step}/rank-00001/model.safetensors") == errno.EIO, kind
+            p = run("fsck", store, expect=1)  # beside the mount
+            assert blob in p.stderr, (kind, p.stdout, p.stderr)
             run("umount", mnt)
             mounts.discard(mnt)
             p = run("fsck", store, expect=1)

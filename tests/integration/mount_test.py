@@ -97,7 +97,8 @@ def main():
             proc.send_signal(sig)
             assert proc.wait(timeout=30) == 0, (sig, proc.returncode)
             assert not os.path.ismount(mnt), sig
-        run("fsck", store)  # the store is free again, and intact
+        # The store is free again (fsck takes it as its writer), and intact.
+        assert "beside" not in run("fsck", store).stdout
     print("mount test: ok")
 
 
@@ -266,11 +267,11 @@ def expected_any_rank(full, config):
 
 
 def check_readers_beside_mount(tmp, store, mnt):
-    """inspect, plan STORE and export read the store beside the mount that
-    holds it, and write nothing to it; an export under the mounted config is
-    the mount's own files. Readers run on while the mount commits
+    """inspect, plan STORE, export and fsck read the store beside the mount
+    that holds it, and write nothing to it; an export under the mounted
+    config is the mount's own files. Readers run on while the mount commits
     reconfigurations that retire the step's blobs: each inspect sees one of
-    the configs written, and each export is the step whole."""
+    the configs written, each export is the step whole, each fsck passes."""
     deadline = time.monotonic() + 120
     while json.load(open(f"{mnt}/status"))["state"] != "ready":
         assert time.monotonic() < deadline, "materialization did not finish"
@@ -290,6 +291,8 @@ def check_readers_beside_mount(tmp, store, mnt):
     for rank in ranks:
         assert filecmp.cmp(f"{reference}/{rank}/model.safetensors",
                            f"{mnt}/ckpt/latest/{rank}/model.safetensors", shallow=False), rank
+    fsck = run("fsck", store).stdout
+    assert "beside the scalai process that holds the store" in fsck, fsck
     assert (sorted(os.listdir(f"{store}/catalog")), sorted(os.listdir(store))) == (catalog, beside)
 
     configs = ["tp=1,pp=1,dp=1", "tp=2,pp=1,dp=1"]
@@ -314,11 +317,12 @@ def check_readers_beside_mount(tmp, store, mnt):
             assert filecmp.cmp(f"{reference}/{rank}/model.safetensors",
                                f"{out}/{rank}/model.safetensors", shallow=False), (reads, rank)
         shutil.rmtree(out)
+        run("fsck", store)
         reads += 1
     switcher.join()
     assert seen <= set(configs) | {FINAL}, seen
-    print(f"readers: {reads} inspects and exports beside 30 reconfigurations; "
-          f"the inspects saw {sorted(seen)}, every export the step whole")
+    print(f"readers: {reads} inspects, exports and fscks beside 30 reconfigurations; "
+          f"the inspects saw {sorted(seen)}, every export the step whole, every fsck ok")
     assert json.loads(run("inspect", store, "--json").stdout)["config"] == configs[1]
     with open(f"{mnt}/config", "w") as f:
         f.write(FINAL + "\n")

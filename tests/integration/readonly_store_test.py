@@ -1,9 +1,10 @@
 #!/usr/bin/python3
 """A store reached through a read-only path (a snapshot, a backup, here a
 read-only bind mount of a live store): inspect, plan and export read it, and
-the export equals one made through the writable path; every command that
-writes (mount, import, dataset add, fsck) is refused with one line naming
-the read-only filesystem, and the store is unchanged. Readers take no
+the export equals one made through the writable path; fsck checks it as a
+reader (and finds a byte flipped); every command that writes (mount,
+import, dataset add, fsck --repair) is refused with one line naming the
+read-only filesystem, and the store is unchanged. Readers take no
 lock: while a mount serves the store through its writable path, and after
 it has stored the step anew under another config, the read-only path's
 inspect, plan and export read on, and the export is the same. A read-only
@@ -35,6 +36,14 @@ def run(*args, expect=0):
 def listing(root):
     return sorted((os.path.relpath(os.path.join(d, f), root), os.path.getsize(os.path.join(d, f)))
                   for d, _, files in os.walk(root) for f in files)
+
+
+def flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
 
 
 def same_tree(a, b):
@@ -72,10 +81,19 @@ def main():
         for args in (["mount", ro, mnt], ["import", ro, src, "--config", SAVED, "--step", "200"],
                      ["dataset", "add", ro, "web", "--format", "jsonl", "--global-batch", "4",
                       f"{tmp}/web.jsonl"],
-                     ["fsck", ro]):
+                     ["fsck", ro, "--repair"]):
             err = run(*args, expect=1).stderr
             assert err.count("\n") == 1 and "Read-only file system" in err, (args, err)
         assert not os.path.ismount(mnt)
+        assert listing(store) == before
+        # fsck checks it as a reader, and still finds a flipped byte.
+        out = run("fsck", ro).stdout
+        assert "ok" in out and "on a read-only filesystem" in out, out
+        blob = sorted(os.listdir(f"{store}/blobs"))[0]
+        flip(f"{store}/blobs/{blob}", 100)
+        err = run("fsck", ro, expect=1).stderr
+        assert blob in err and "checksum" in err, err
+        flip(f"{store}/blobs/{blob}", 100)
         assert listing(store) == before
 
         # Beside a mount serving the store through the writable path, and
@@ -101,7 +119,7 @@ def main():
         subprocess.run(["umount", ro], check=True)
         mounts.discard(ro)
         run("fsck", store)
-    print("read-only store: inspect, plan and export read it, also beside a mount; "
+    print("read-only store: inspect, plan, export and fsck read it, also beside a mount; "
           "writers refused")
 
 

@@ -11,15 +11,12 @@
 #include "gtest/gtest.h"
 #include "tests/store_fixture.h"
 #include "transfer/exporter.h"
-#include "transfer/materializer.h"
 
 namespace scalai {
 namespace {
 
 class StepSnapshotTest : public StoreFixture {
  protected:
-  std::string store_dir() const { return (dir_ / "store").string(); }
-
   // Every rank's exported model.safetensors under tp=2,pp=2,dp=1 (a config
   // the step is stored under at no time here), concatenated.
   absl::StatusOr<std::string> Export(const StepSnapshot& step,
@@ -45,22 +42,6 @@ class StepSnapshotTest : public StoreFixture {
     EXPECT_TRUE(bytes.ok()) << bytes.status();
     return bytes.ok() ? *bytes : "";
   }
-
-  // What a mount does when its config is rewritten: the step stored anew
-  // under tp=1, and the blobs of tp=2 removed. Returns those blobs.
-  std::set<std::string> Reconfigure(const char* config = "tp=1,pp=1,dp=1") {
-    auto m =
-        Materialization::Write(*store_, *ParallelConfig::Parse(config), {});
-    EXPECT_TRUE(m.ok()) << m.status();
-    if (!m.ok()) return {};
-    EXPECT_TRUE(m->Commit(*store_).ok());
-    const std::set<std::string> freed(m->blobs_freed().begin(),
-                                      m->blobs_freed().end());
-    EXPECT_FALSE(freed.empty());
-    for (const std::string& name : freed)
-      EXPECT_FALSE(fs::exists(store_->BlobPath(name))) << name;
-    return freed;
-  }
 };
 
 TEST_F(StepSnapshotTest, ReadsOnAfterItsBlobsAreRetired) {
@@ -68,7 +49,7 @@ TEST_F(StepSnapshotTest, ReadsOnAfterItsBlobsAreRetired) {
   auto step = StepSnapshot::Open(store_dir(), std::nullopt);
   ASSERT_TRUE(step.ok()) << step.status();
   EXPECT_EQ(step->step().config, saved_config().ToString());
-  Reconfigure();
+  Reconfigure("tp=1,pp=1,dp=1");
   auto got = Export(*step, "after");
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(*got, want);
@@ -79,7 +60,7 @@ TEST_F(StepSnapshotTest, TakesTheStepAgainWhenItsBlobsWentMeanwhile) {
   // A catalog read before the commit names the blobs it retired.
   auto before = Store::Open(store_dir(), Store::Access::kReadOnly);
   ASSERT_TRUE(before.ok()) << before.status();
-  const std::set<std::string> freed = Reconfigure();
+  const std::set<std::string> freed = Reconfigure("tp=1,pp=1,dp=1");
   auto stale = StepSnapshot::Take(**before, std::nullopt);
   ASSERT_TRUE(stale.ok()) << stale.status();
   EXPECT_EQ(stale->missing(), freed);
