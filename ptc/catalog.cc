@@ -90,6 +90,15 @@ std::set<std::string> FileNames(const std::string& path) {
   return names;
 }
 
+// RocksDB's diagnostics files (LOG, LOG.old.*) that catalogs written before
+// SilentLogger kept, a new one each open, never read by anyone.
+void RemoveInfoLogs(const std::string& path) {
+  for (const std::string& name : FileNames(path)) {
+    if (name == "LOG" || name.starts_with("LOG.old."))
+      unlink((path + "/" + name).c_str());
+  }
+}
+
 // A reader's open of a catalog that another process may be writing (a
 // mount serving the store): a RocksDB secondary instance, caught up with
 // the writer once. Every table file is opened at once (max_open_files -1),
@@ -194,6 +203,7 @@ absl::StatusOr<std::unique_ptr<Catalog>> Catalog::Open(const std::string& path,
   if (!s.ok()) return FromRocks(s, absl::StrCat("open ", path));
   catalog->handles_ = std::move(handles);
   if (mode != Mode::kCreate) RETURN_IF_ERROR(catalog->CheckSequence(reached));
+  if (mode == Mode::kReadWrite) RemoveInfoLogs(path);
   return catalog;
 }
 

@@ -2,7 +2,8 @@
 // `scalai inspect` and `scalai plan STORE` open a store a mount serves: the
 // reader holds every commit made before its open, however the writer's
 // flushes and compactions replace its files meanwhile, writes nothing, and
-// still tells a catalog that lost commits.
+// still tells a catalog that lost commits. A writer removes the diagnostics
+// files that older versions left.
 #include "ptc/catalog.h"
 
 #include <dirent.h>
@@ -167,6 +168,32 @@ TEST(Catalog, ReaderWritesNothingAndRefusesCommits) {
   }
   EXPECT_EQ(Listing(dir.path()), top);
   EXPECT_EQ(Listing(path), inside);
+}
+
+// Catalogs written before RocksDB's diagnostics were dropped kept a LOG
+// file and a LOG.old.* for each earlier open: the next writer removes them,
+// a reader leaves them.
+TEST(Catalog, AWriterRemovesTheDiagnosticsOfOlderVersions) {
+  TempDir dir;
+  const std::string path = Created(dir);
+  const std::set<std::string> own = Listing(path);
+  for (const char* name : {"LOG", "LOG.old.1764000000000000"})
+    std::ofstream(path + "/" + name) << "rocksdb diagnostics\n";
+  const std::set<std::string> with_logs = Listing(path);
+  ASSERT_EQ(with_logs.size(), own.size() + 2);
+  {
+    auto reader = Catalog::Open(path, Catalog::Mode::kReadOnly);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+  }
+  EXPECT_EQ(Listing(path), with_logs);
+  {
+    auto writer = Catalog::Open(path, Catalog::Mode::kReadWrite);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+  }
+  for (const std::string& name : Listing(path)) {
+    EXPECT_FALSE(name == "LOG" || name.starts_with("LOG.old.")) << name;
+  }
+  EXPECT_TRUE(Listing(path).contains("CURRENT"));
 }
 
 TEST(Catalog, LostCommitsAreToldInEitherMode) {
