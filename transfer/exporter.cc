@@ -282,6 +282,15 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const StepSnapshot& snap,
   const Store& store = snap.store();
   const StepRecord& step = snap.step();
   const std::shared_ptr<const Placement>& from = snap.placement();
+  if (!snap.bytes().holds_every_group()) {
+    int held = 0;
+    for (int g = 0; g < step.groups; ++g) held += step.holds(g) ? 1 : 0;
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step.step, ": this store holds ", held, " of its ",
+        step.groups,
+        " shard groups (the other hosts of its cluster hold the rest), and "
+        "an export needs every one"));
+  }
   std::shared_ptr<const Placement> to;
   std::vector<OutputFile> files;
   if (o.merged) {

@@ -1,7 +1,8 @@
 // A StepSnapshot beside the store's writer: a snapshot reads on after the
 // writer retires the step's blobs (a reconfiguration commits), a catalog
 // read before such a commit is taken again, and a blob lost from the disk
-// is reported, not waited for.
+// is reported, not waited for. An export of a step this store holds only
+// part of (a cluster's host) is refused.
 #include "transfer/step_snapshot.h"
 
 #include <optional>
@@ -110,6 +111,27 @@ TEST_F(StepSnapshotTest, ALostBlobIsReportedNotWaitedFor) {
   auto got = Export(*step, "out");
   EXPECT_EQ(got.status().code(), absl::StatusCode::kDataLoss) << got.status();
   EXPECT_NE(got.status().message().find(lost), std::string::npos)
+      << got.status();
+  EXPECT_FALSE(fs::exists(dir_ / "out"));
+}
+
+// A cluster's host holds only its groups of the step; the others' shards
+// are on other hosts, out of an export's reach.
+TEST_F(StepSnapshotTest, AnExportOfAStepHeldInPartIsRefused) {
+  Materialization::Options o;
+  o.hold = std::vector<int>{0};
+  auto m = Materialization::Write(
+      *store_, *ParallelConfig::Parse("tp=2,pp=1,dp=1,hosts=a+b"), o);
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_TRUE(m->Commit(*store_).ok());
+  auto step = StepSnapshot::Open(store_dir(), std::nullopt);
+  ASSERT_TRUE(step.ok()) << step.status();
+  auto got = Export(*step, "out");
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition)
+      << got.status();
+  EXPECT_NE(got.status().message().find(
+                "step 42: this store holds 1 of its 2 shard groups"),
+            std::string::npos)
       << got.status();
   EXPECT_FALSE(fs::exists(dir_ / "out"));
 }
