@@ -1,10 +1,9 @@
-// A store made from synthetic shards of a small GPT (tp=2 at step 42), for
-// the tests of the mount's FUSE-free model and of peers, and the helpers
-// they share to walk a tree and read its files.
+// A store made from synthetic shards of a small GPT (tp=2 at step 42, or a
+// model, config and step of the test's own), for the tests of the mount's
+// FUSE-free model, of peers and of the store's readers and writers, and the
+// helpers they share to walk a tree and read its files.
 #ifndef SCALAI_TESTS_STORE_FIXTURE_H_
 #define SCALAI_TESTS_STORE_FIXTURE_H_
-
-#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -18,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "ptc/model_spec.h"
 #include "ptc/safetensors.h"
+#include "tests/scratch_dir.h"
 #include "tools/synth.h"
 #include "transfer/importer.h"
 #include "transfer/materializer.h"
@@ -41,18 +41,24 @@ class StoreFixture : public ::testing::Test {
   }
 
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           absl::StrFormat("fixture-%d", getpid());
-    fs::remove_all(dir_);
+    MakeStore(
+        "layers=3,hidden=32,heads=4,groups=4,vocab=50,gated_linear_unit=1",
+        saved_config(), 42);
+  }
+  void TearDown() override { store_.reset(); }
+
+  // Writes synthetic shards (seed 3) of the megatron-core-gpt model `spec`
+  // in f32, saved under `saved`, into dir_/src, imports them into the new
+  // store dir_/store as step `step`, and opens it again as a mount does.
+  void MakeStore(const char* spec, const ParallelConfig& saved, int64_t step) {
     fs::create_directories(dir_ / "src");
     layout_ = *Layout::Load("megatron-core-gpt");
-    spec_ = *ModelSpec::Parse(
-        "layers=3,hidden=32,heads=4,groups=4,vocab=50,gated_linear_unit=1");
+    spec_ = *ModelSpec::Parse(spec);
     ASSERT_TRUE(spec_.ApplyParams(layout_).ok());
     model_ = std::make_shared<const Model>(*spec_.Build(layout_, DType::kF32));
-    const ParallelConfig saved = saved_config();
     Placement p = *Placement::Create(layout_, model_, saved);
-    for (int rank = 0; rank < 2; ++rank) {
+    for (int g = 0; g < saved.num_shard_groups(); ++g) {
+      const int rank = saved.SaverOfGroup(g);
       fs::path rank_dir = dir_ / "src" / absl::StrFormat("rank-%05d", rank);
       fs::create_directories(rank_dir);
       ASSERT_TRUE(
@@ -64,15 +70,11 @@ class StoreFixture : public ::testing::Test {
     ImportOptions o;
     o.src = (dir_ / "src").string();
     o.config = saved;
-    o.step = 42;
+    o.step = step;
     auto imported = ImportCheckpoint(**store, o);
     ASSERT_TRUE(imported.ok()) << imported.status();
     store->reset();
     store_ = *Store::Open((dir_ / "store").string());
-  }
-  void TearDown() override {
-    store_.reset();
-    fs::remove_all(dir_);
   }
 
   const Node* Walk(const Tree& tree, std::initializer_list<const char*> path) {
@@ -124,7 +126,8 @@ class StoreFixture : public ::testing::Test {
     return ReadAll(path);
   }
 
-  fs::path dir_;
+  ScratchDir scratch_{"store-fixture"};  // first: it outlives the store
+  const fs::path dir_ = scratch_.path();
   Layout layout_;
   ModelSpec spec_;
   std::shared_ptr<const Model> model_;

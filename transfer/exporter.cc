@@ -144,9 +144,9 @@ absl::Status WriteOutput(const std::string& dir, const OutputFile& file,
       RETURN_IF_ERROR(
           file.remainder->Read(remainder->data(), remainder->size(), 0));
     }
-    ASSIGN_OR_RETURN(
-        MegatronRankOutput rank,
-        BuildMegatronRank(entries, remainder, *file.config, file.step));
+    ASSIGN_OR_RETURN(MegatronRankOutput rank,
+                     BuildMegatronRank(entries, std::move(remainder),
+                                       *file.config, file.step));
     TorchArchiveWriter zip(
         "archive",
         [&](const void* data, int64_t n) { return stream.Write(data, n); },
@@ -266,7 +266,8 @@ absl::Status ExportExtraFiles(const StepSnapshot& snap,
       if (mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
         return ErrnoError(errno, "create", dir);
     }
-    std::shared_ptr<const BlobReader> blob = snap.extra_blob(f.blob);
+    ASSIGN_OR_RETURN(std::shared_ptr<const BlobReader> blob,
+                     snap.extra_blob(f.blob));
     RETURN_IF_ERROR(blob->Verify(0, blob->size()));
     ASSIGN_OR_RETURN(UniqueFd fd,
                      OpenFile(path, O_WRONLY | O_CREAT | O_EXCL, 0644));
@@ -340,8 +341,9 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const StepSnapshot& snap,
         ASSIGN_OR_RETURN(std::vector<ExtraFile> extras,
                          step.ExtraFilesSeenBy(c, rank));
         for (const ExtraFile& f : extras) {
-          if (f.path == kMegatronRemainderPath)
-            file.remainder = snap.extra_blob(f.blob);
+          if (f.path == kMegatronRemainderPath) {
+            ASSIGN_OR_RETURN(file.remainder, snap.extra_blob(f.blob));
+          }
         }
       }
       for (size_t k = 0; k < to->shards(g).size(); ++k) {

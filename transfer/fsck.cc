@@ -70,8 +70,13 @@ struct Problem {
   std::string gone_index;
 };
 
-absl::StatusOr<std::vector<Problem>> FindProblems(const Store& store,
-                                                  ProgressFn progress_fn) {
+struct Findings {
+  std::vector<Problem> problems;
+  size_t blobs = 0;  // blobs checked
+};
+
+absl::StatusOr<Findings> FindProblems(const Store& store,
+                                      ProgressFn progress_fn) {
   std::vector<Problem> problems;
   std::mutex mu;  // guards problems while blobs are hashed in parallel
   auto problem = [&](std::string text, std::string gone_blob = "") {
@@ -232,28 +237,27 @@ absl::StatusOr<std::vector<Problem>> FindProblems(const Store& store,
                            "): no step uses it"));
     }
   }
-  return problems;
+  return Findings{std::move(problems), blobs.size()};
 }
 
 }  // namespace
 
 absl::StatusOr<std::vector<std::string>> CheckStore(const Store& store,
                                                     ProgressFn progress) {
-  ASSIGN_OR_RETURN(std::vector<Problem> found,
-                   FindProblems(store, std::move(progress)));
+  ASSIGN_OR_RETURN(Findings found, FindProblems(store, std::move(progress)));
   std::vector<std::string> problems;
-  for (Problem& p : found) problems.push_back(std::move(p.text));
+  for (Problem& p : found.problems) problems.push_back(std::move(p.text));
   return problems;
 }
 
 absl::StatusOr<CheckBesideWriter> CheckStoreBesideWriter(
     const StoreOpener& open_store, ProgressFn progress) {
   ASSIGN_OR_RETURN(std::unique_ptr<Store> store, open_store());
-  CheckBesideWriter out;
-  ASSIGN_OR_RETURN(auto blobs, store->Blobs());
-  out.blobs = blobs.size();
-  ASSIGN_OR_RETURN(std::vector<Problem> found,
+  ASSIGN_OR_RETURN(Findings findings,
                    FindProblems(*store, std::move(progress)));
+  CheckBesideWriter out;
+  out.blobs = findings.blobs;
+  std::vector<Problem>& found = findings.problems;
   const bool any_gone =
       std::any_of(found.begin(), found.end(), [](const Problem& p) {
         return !p.gone_blob.empty() || !p.gone_index.empty();

@@ -591,14 +591,14 @@ std::string MegatronRankPath(int64_t iteration, int tp_rank, int pp_rank,
 
 absl::StatusOr<MegatronRankOutput> BuildMegatronRank(
     const std::vector<SafetensorsEntry>& tensors,
-    const std::optional<std::string>& remainder, const ParallelConfig& config,
+    std::optional<std::string> remainder, const ParallelConfig& config,
     int64_t step) {
   MegatronRankOutput out;
   PickleRef root = Dict();
   std::unique_ptr<TorchArchive> archive;
   if (remainder) {
-    ASSIGN_OR_RETURN(
-        archive, TorchArchive::FromBytes(*remainder, kMegatronRemainderPath));
+    ASSIGN_OR_RETURN(archive, TorchArchive::FromBytes(std::move(*remainder),
+                                                      kMegatronRemainderPath));
     ASSIGN_OR_RETURN(std::string pickle, archive->ReadRecord("data.pkl"));
     ASSIGN_OR_RETURN(root, Unpickle(pickle));
     if (root->kind != Kind::kDict) {

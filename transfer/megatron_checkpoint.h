@@ -91,7 +91,7 @@ struct MegatronRankOutput {
 // param groups.
 absl::StatusOr<MegatronRankOutput> BuildMegatronRank(
     const std::vector<SafetensorsEntry>& tensors,
-    const std::optional<std::string>& remainder, const ParallelConfig& config,
+    std::optional<std::string> remainder, const ParallelConfig& config,
     int64_t step);
 
 // "iter_0000100/mp_rank_01_002/model_optim_rng.pt".

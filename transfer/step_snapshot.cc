@@ -50,12 +50,14 @@ absl::StatusOr<StepSnapshot> StepSnapshot::Open(const StoreOpener& open_store,
   }
 }
 
-std::shared_ptr<const BlobReader> StepSnapshot::extra_blob(
+absl::StatusOr<std::shared_ptr<const BlobReader>> StepSnapshot::extra_blob(
     const std::string& name) const {
   auto it = extras_.find(name);
-  // Every extra file of the step was opened by Take; another blob is
-  // opened now.
-  return it != extras_.end() ? it->second : BlobReader::Open(*store_, name);
+  if (it == extras_.end()) {
+    return absl::InternalError(
+        absl::StrCat("blob ", name, " is no extra file of step ", step_.step));
+  }
+  return it->second;
 }
 
 std::set<std::string> StepSnapshot::missing() const {

@@ -57,8 +57,10 @@ class StepSnapshot {
     return placement_;
   }
   const StepBytes& bytes() const { return bytes_; }
-  // The blob of one of the step's extra files (StepRecord::extra).
-  std::shared_ptr<const BlobReader> extra_blob(const std::string& name) const;
+  // The blob of one of the step's extra files (StepRecord::extra); any
+  // other blob is an internal error.
+  absl::StatusOr<std::shared_ptr<const BlobReader>> extra_blob(
+      const std::string& name) const;
   // The blobs the step names whose files were gone when it was taken.
   std::set<std::string> missing() const;
 

@@ -23,22 +23,10 @@
 #include "gtest/gtest.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
+#include "tests/scratch_dir.h"
 
 namespace scalai {
 namespace {
-
-class TempDir {
- public:
-  TempDir() {
-    char name[] = "/tmp/catalog_test.XXXXXX";
-    path_ = mkdtemp(name);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 std::set<std::string> Listing(const std::string& dir) {
   std::set<std::string> names;
@@ -58,8 +46,8 @@ void WriteMark(const std::string& catalog, uint64_t sequence) {
   std::rename((mark + ".tmp").c_str(), mark.c_str());
 }
 
-std::string Created(const TempDir& dir) {
-  const std::string path = dir.path() + "/catalog";
+std::string Created(const ScratchDir& dir) {
+  const std::string path = dir.path().string() + "/catalog";
   auto created = Catalog::Open(path, Catalog::Mode::kCreate);
   EXPECT_TRUE(created.ok()) << created.status();
   return path;
@@ -125,7 +113,7 @@ class BusyWriter {
 };
 
 TEST(Catalog, ReaderBesideAWriterHoldsEveryCommitMadeBeforeItsOpen) {
-  TempDir dir;
+  ScratchDir dir("catalog_test");
   const std::string path = Created(dir);
   BusyWriter writer(path);
   while (writer.committed() < 50) std::this_thread::yield();
@@ -144,7 +132,7 @@ TEST(Catalog, ReaderBesideAWriterHoldsEveryCommitMadeBeforeItsOpen) {
 }
 
 TEST(Catalog, ReaderWritesNothingAndRefusesCommits) {
-  TempDir dir;
+  ScratchDir dir("catalog_test");
   const std::string path = Created(dir);
   {
     auto writer = Catalog::Open(path, Catalog::Mode::kReadWrite);
@@ -174,7 +162,7 @@ TEST(Catalog, ReaderWritesNothingAndRefusesCommits) {
 // file and a LOG.old.* for each earlier open: the next writer removes them,
 // a reader leaves them.
 TEST(Catalog, AWriterRemovesTheDiagnosticsOfOlderVersions) {
-  TempDir dir;
+  ScratchDir dir("catalog_test");
   const std::string path = Created(dir);
   const std::set<std::string> own = Listing(path);
   for (const char* name : {"LOG", "LOG.old.1764000000000000"})
@@ -197,7 +185,7 @@ TEST(Catalog, AWriterRemovesTheDiagnosticsOfOlderVersions) {
 }
 
 TEST(Catalog, LostCommitsAreToldInEitherMode) {
-  TempDir dir;
+  ScratchDir dir("catalog_test");
   const std::string path = Created(dir);
   WriteMark(path, 1000);  // commits had reached 1000; the catalog holds none
   for (Catalog::Mode mode :

@@ -26,9 +26,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/scratch_dir.h"
 #include "transfer/blob_reader.h"
 #include "transfer/chunk_hold.h"
 #include "transfer/step_writer.h"
@@ -123,19 +123,12 @@ bool DropCache(const std::string& path) {
 class BlobReaderTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           absl::StrFormat("blob-reader-%d", getpid());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
     auto store = Store::Create((dir_ / "store").string(),
                                *Layout::Load("megatron-core-gpt"));
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = *std::move(store);
   }
-  void TearDown() override {
-    store_.reset();
-    fs::remove_all(dir_);
-  }
+  void TearDown() override { store_.reset(); }
 
   // A blob file with `bytes` and its record (chunk sums, or the whole-blob
   // sum of an older store when `legacy`).
@@ -172,7 +165,8 @@ class BlobReaderTest : public ::testing::Test {
     close(fd);
   }
 
-  fs::path dir_;
+  ScratchDir scratch_{"blob-reader"};  // first: it outlives the store
+  const fs::path dir_ = scratch_.path();
   std::unique_ptr<Store> store_;
 };
 

@@ -2,14 +2,12 @@
 // certificates; each kind of mistake is one line naming it.
 #include "transfer/cluster_file.h"
 
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "gtest/gtest.h"
+#include "tests/scratch_dir.h"
 
 namespace scalai {
 namespace {
@@ -24,14 +22,7 @@ constexpr char kGood[] = R"({"job": "gpt-7b",
 
 class ClusterFileTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           absl::StrFormat("cluster-file-%d", getpid());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-    Write("token", "  s3cret-token-of-the-job-0123\n");
-  }
-  void TearDown() override { fs::remove_all(dir_); }
+  void SetUp() override { Write("token", "  s3cret-token-of-the-job-0123\n"); }
 
   void Write(const std::string& name, const std::string& text) {
     std::ofstream(dir_ / name) << text;
@@ -45,7 +36,8 @@ class ClusterFileTest : public ::testing::Test {
     return std::string(c.status().message());
   }
 
-  fs::path dir_;
+  ScratchDir scratch_{"cluster-file"};
+  const fs::path dir_ = scratch_.path();
 };
 
 TEST_F(ClusterFileTest, AGoodFileIsReadWhole) {

@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/etcd_member.h"
+#include "tests/scratch_dir.h"
 #include "transfer/etcd_large_value.h"
 
 namespace scalai {
@@ -28,9 +29,6 @@ namespace fs = std::filesystem;
 class EtcdClientTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           absl::StrFormat("etcd-client-%d", getpid());
-    fs::remove_all(dir_);
     member_ = std::make_unique<EtcdMember>(dir_);
     absl::Status ready = member_->WaitReady();
     ASSERT_TRUE(ready.ok()) << ready << "\n" << member_->log();
@@ -41,10 +39,10 @@ class EtcdClientTest : public ::testing::Test {
   void TearDown() override {
     etcd_.reset();
     member_.reset();
-    fs::remove_all(dir_);
   }
 
-  fs::path dir_;
+  ScratchDir scratch_{"etcd-client"};  // first: it outlives the member
+  const fs::path dir_ = scratch_.path();
   std::unique_ptr<EtcdMember> member_;
   std::unique_ptr<EtcdClient> etcd_;
 };

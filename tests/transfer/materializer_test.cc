@@ -5,68 +5,26 @@
 // no record names.
 #include "transfer/materializer.h"
 
-#include <unistd.h>
-
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
-#include "ptc/model_spec.h"
 #include "ptc/reshard_plan.h"
-#include "tools/synth.h"
+#include "tests/store_fixture.h"
 #include "transfer/exporter.h"
 #include "transfer/fsck.h"
-#include "transfer/importer.h"
 
 namespace scalai {
 namespace {
 
-namespace fs = std::filesystem;
-
-std::string ReadAll(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 ParallelConfig Config(const char* text) { return *ParallelConfig::Parse(text); }
 
-class MaterializerTest : public ::testing::Test {
+class MaterializerTest : public StoreFixture {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) /
-           absl::StrFormat("materializer-%d", getpid());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_ / "src");
-    layout_ = *Layout::Load("megatron-core-gpt");
-    ModelSpec spec = *ModelSpec::Parse(
-        "layers=4,hidden=64,heads=4,groups=4,vocab=50,gated_linear_unit=1");
-    ASSERT_TRUE(spec.ApplyParams(layout_).ok());
-    model_ = std::make_shared<const Model>(*spec.Build(layout_, DType::kF32));
-    Placement p = *Placement::Create(layout_, model_, saved_);
-    for (int rank = 0; rank < 4; ++rank) {
-      fs::path rank_dir = dir_ / "src" / absl::StrFormat("rank-%05d", rank);
-      fs::create_directories(rank_dir);
-      ASSERT_TRUE(
-          WriteSynthShard(p, rank, 3, (rank_dir / "model.safetensors").string())
-              .ok());
-    }
-    auto store = Store::Create((dir_ / "store").string(), layout_);
-    ASSERT_TRUE(store.ok()) << store.status();
-    ImportOptions o;
-    o.src = (dir_ / "src").string();
-    o.config = saved_;
-    o.step = 5;
-    ASSERT_TRUE(ImportCheckpoint(**store, o).ok());
-    store->reset();  // opened again, as the mount does, with its model
-    store_ = *Store::Open((dir_ / "store").string());
-  }
-  void TearDown() override {
-    store_.reset();
-    fs::remove_all(dir_);
+    MakeStore(
+        "layers=4,hidden=64,heads=4,groups=4,vocab=50,gated_linear_unit=1",
+        saved_, 5);
   }
 
   int BlobFiles() const {
@@ -102,11 +60,7 @@ class MaterializerTest : public ::testing::Test {
     return all;
   }
 
-  fs::path dir_;
-  Layout layout_;
-  std::shared_ptr<const Model> model_;
   const ParallelConfig saved_ = Config("tp=2,pp=2,dp=1");
-  std::unique_ptr<Store> store_;
 };
 
 TEST_F(MaterializerTest, WritesThePlansMinimumAndCommitsOnce) {
