@@ -10,11 +10,13 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -28,12 +30,67 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "ptc/status_macros.h"
 #include "tests/scratch_dir.h"
 #include "transfer/blob_reader.h"
 #include "transfer/chunk_hold.h"
 #include "transfer/step_writer.h"
 #include "transfer/store.h"
 #include "xxhash.h"
+
+// ReadAround's answers to a filesystem that does not take O_DIRECT as it
+// promised, or a disk that fails: every preadv of this binary goes through
+// the wrapper below (linked with --wrap=preadv64, tests/transfer/meson.build),
+// which does as `g_preadv_fault` says to reads of descriptors opened with
+// O_DIRECT.
+enum class PreadvFault {
+  kNone,
+  kRefuseDirect,  // EINVAL, as a filesystem that takes O_DIRECT at open only
+  kShortMidPage,  // the first kShortBytes only, the rest of the buffer wiped
+  kFail,          // EIO
+  kEndEarly,      // 0: the file ends here
+};
+std::atomic<PreadvFault> g_preadv_fault{PreadvFault::kNone};
+std::atomic<int> g_direct_preadvs{0};  // preadv calls on O_DIRECT descriptors
+constexpr ssize_t kShortBytes = 5000;  // a page and then some
+
+extern "C" ssize_t __real_preadv64(int fd, const iovec* iov, int count,
+                                   off_t offset);
+extern "C" ssize_t __wrap_preadv64(int fd, const iovec* iov, int count,
+                                   off_t offset) {
+  const int flags = fcntl(fd, F_GETFL);
+  if (flags < 0 || (flags & O_DIRECT) == 0) {
+    return __real_preadv64(fd, iov, count, offset);
+  }
+  ++g_direct_preadvs;
+  switch (g_preadv_fault.load()) {
+    case PreadvFault::kNone:
+      return __real_preadv64(fd, iov, count, offset);
+    case PreadvFault::kRefuseDirect:
+      errno = EINVAL;
+      return -1;
+    case PreadvFault::kFail:
+      errno = EIO;
+      return -1;
+    case PreadvFault::kEndEarly:
+      return 0;
+    case PreadvFault::kShortMidPage:
+      break;
+  }
+  const ssize_t n = __real_preadv64(fd, iov, count, offset);
+  if (n <= kShortBytes) return n;
+  // Bytes past the short count are not the file's: a reader that took
+  // them would fail the chunk's check.
+  ssize_t at = 0;
+  for (int i = 0; i < count; ++i) {
+    const ssize_t keep =
+        std::clamp<ssize_t>(kShortBytes - at, 0, iov[i].iov_len);
+    memset(static_cast<char*>(iov[i].iov_base) + keep, 0,
+           iov[i].iov_len - keep);
+    at += iov[i].iov_len;
+  }
+  return kShortBytes;
+}
 
 namespace scalai {
 namespace {
@@ -360,6 +417,101 @@ TEST_F(BlobReaderTest, ColdChunksAreReadAroundThePageCacheOnceForBothParts) {
   absl::Status s = blob->Read(out.data(), half, 2 * kBlobChunkBytes + half);
   EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
   EXPECT_THAT(s.message(), HasSubstr("chunk 2"));
+}
+
+class ReadAroundFaultTest : public BlobReaderTest {
+ protected:
+  void TearDown() override {
+    g_preadv_fault = PreadvFault::kNone;
+    BlobReaderTest::TearDown();
+  }
+
+  // A cold blob of ten chunks and a reader of it; false where the page
+  // cache cannot be dropped (reads never go around it there).
+  bool ColdBlob() {
+    std::mt19937_64 rng(31);
+    bytes_ = RandomBytes(rng, 10 * kBlobChunkBytes + 300);
+    name_ = AddBlob(bytes_);
+    path_ = store_->BlobPath(name_);
+    if (!DropCache(path_)) return false;
+    blob_ = BlobReader::Open(*store_, name_);
+    return true;
+  }
+  // Reads [offset, offset + n) and says whether it got the blob's bytes.
+  absl::Status ReadAndCompare(int64_t offset, int64_t n) {
+    std::string out(n, '\0');
+    RETURN_IF_ERROR(blob_->Read(out.data(), n, offset));
+    if (out.compare(0, n, bytes_, offset, n) != 0) {
+      return absl::InternalError(absl::StrCat("wrong bytes at ", offset));
+    }
+    return absl::OkStatus();
+  }
+
+  std::string bytes_;
+  std::string name_;
+  std::string path_;
+  std::shared_ptr<const BlobReader> blob_;
+};
+
+TEST_F(ReadAroundFaultTest, TheWrapperSeesTheReadsAroundThePageCache) {
+  if (!ColdBlob()) GTEST_SKIP() << "no page cache to drop under " << path_;
+  const int before = g_direct_preadvs;
+  ASSERT_TRUE(ReadAndCompare(kBlobChunkBytes + 100, 1000).ok());
+  EXPECT_GT(g_direct_preadvs, before) << "--wrap=preadv64 missed ReadAround";
+}
+
+// EINVAL from an O_DIRECT read: the rest comes through the page cache, and
+// the blob's later reads never try O_DIRECT again.
+TEST_F(ReadAroundFaultTest, ARefusedDirectReadFallsBackToThePageCache) {
+  if (!ColdBlob()) GTEST_SKIP() << "no page cache to drop under " << path_;
+  g_preadv_fault = PreadvFault::kRefuseDirect;
+  const int before = g_direct_preadvs;
+  absl::Status s = ReadAndCompare(kBlobChunkBytes + 100, kBlobChunkBytes);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(g_direct_preadvs, before + 1);
+  EXPECT_TRUE(AnyPageCached(path_));
+  ASSERT_TRUE(DropCache(path_));
+  // Past the chunks read ahead with the first read, so not checked yet.
+  s = ReadAndCompare(8 * kBlobChunkBytes, 2 * kBlobChunkBytes + 300);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(g_direct_preadvs, before + 1) << "O_DIRECT tried again";
+}
+
+// An O_DIRECT read that stops short in the middle of a page: the rest of
+// the read through the page cache (O_DIRECT cannot start mid-page), and
+// nothing past the short count taken.
+TEST_F(ReadAroundFaultTest, AShortDirectReadIsFinishedThroughThePageCache) {
+  if (!ColdBlob()) GTEST_SKIP() << "no page cache to drop under " << path_;
+  g_preadv_fault = PreadvFault::kShortMidPage;
+  const int before = g_direct_preadvs;
+  absl::Status s = ReadAndCompare(kBlobChunkBytes - 64, kBlobChunkBytes);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(g_direct_preadvs, before + 1);
+  // The chunks read ahead in the same read were checked, and are served.
+  g_preadv_fault = PreadvFault::kFail;
+  s = ReadAndCompare(2 * kBlobChunkBytes, kBlobChunkBytes);
+  EXPECT_TRUE(s.ok()) << s;
+}
+
+// A failing disk, and a file shorter than its record: the read is refused,
+// naming the blob, and nothing is served.
+TEST_F(ReadAroundFaultTest, AFailedOrEarlyEndingDirectReadIsRefused) {
+  if (!ColdBlob()) GTEST_SKIP() << "no page cache to drop under " << path_;
+  g_preadv_fault = PreadvFault::kFail;
+  absl::Status s = ReadAndCompare(kBlobChunkBytes + 100, 1000);
+  EXPECT_FALSE(s.ok());
+  EXPECT_THAT(s.message(), HasSubstr(path_));
+  g_preadv_fault = PreadvFault::kEndEarly;
+  s = ReadAndCompare(3 * kBlobChunkBytes + 100, 1000);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  EXPECT_THAT(s.message(),
+              HasSubstr(absl::StrCat("ends at byte ", 3 * kBlobChunkBytes)));
+  // The disk well again: the same bytes are served.
+  g_preadv_fault = PreadvFault::kNone;
+  s = ReadAndCompare(kBlobChunkBytes + 100, 1000);
+  EXPECT_TRUE(s.ok()) << s;
+  s = ReadAndCompare(3 * kBlobChunkBytes + 100, 1000);
+  EXPECT_TRUE(s.ok()) << s;
 }
 
 // Eight threads read a cold blob at once in requests of 960 KiB that start
