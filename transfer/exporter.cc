@@ -290,7 +290,8 @@ absl::StatusOr<ExportResult> ExportCheckpoint(const StepSnapshot& snap,
         "step ", step.step, ": this store holds ", held, " of its ",
         step.groups,
         " shard groups (the other hosts of its cluster hold the rest), and "
-        "an export needs every one"));
+        "an export needs every one: copy the ranks' files out of the "
+        "cluster's mount instead, which shows every rank"));
   }
   std::shared_ptr<const Placement> to;
   std::vector<OutputFile> files;
